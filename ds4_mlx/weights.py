@@ -1,0 +1,209 @@
+"""``QuantWeight``: one GGUF matrix (any ds4 type) kept as its raw bytes, with matmul and expert-gathered matmul.
+
+The bytes are never requantized. ``matmul`` / ``gather_matmul`` run on one of three backends:
+custom Metal kernels (Apple GPU), custom CUDA kernels (NVIDIA), or the pure-MLX fallback of
+:mod:`ds4_mlx.quants` (dequantize + ``mx.matmul``; the CPU path and the tests' oracle).
+The backend is chosen at call time: ``DS4_MLX_KERNELS=fallback|metal|cuda`` or :func:`set_kernel_backend`
+override the automatic choice (the GPU kernels when the default device is a GPU, the fallback otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ds4_mlx import quants
+
+BACKENDS = ("fallback", "metal", "cuda")
+_backend_override: str | None = None
+
+# Largest f32 weight slab (elements) the fallback dequantizes at once: 2**26 floats = 256 MiB.
+FALLBACK_MAX_ELEMS = 1 << 26
+
+
+def set_kernel_backend(name: str | None) -> None:
+    """Force a backend for every later call (``None`` restores env-var / automatic selection)."""
+    global _backend_override
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    _backend_override = name
+
+
+def kernel_backend() -> str:
+    """The backend used now: the setter's value, else ``$DS4_MLX_KERNELS``, else automatic."""
+    name = _backend_override or os.environ.get("DS4_MLX_KERNELS", "").strip().lower() or "auto"
+    if name == "auto":
+        if mx.default_device() != mx.gpu:
+            return "fallback"
+        if mx.metal.is_available():
+            return "metal"
+        if mx.cuda.is_available():
+            return "cuda"
+        return "fallback"
+    if name not in BACKENDS:
+        raise ValueError(f"DS4_MLX_KERNELS must be one of auto|{'|'.join(BACKENDS)}, got {name!r}")
+    if name == "metal" and not mx.metal.is_available():
+        raise RuntimeError("DS4_MLX_KERNELS=metal but MLX has no Metal backend here")
+    if name == "cuda" and not mx.cuda.is_available():
+        raise RuntimeError("DS4_MLX_KERNELS=cuda but MLX has no CUDA backend here")
+    return name
+
+
+def _kernels():
+    from ds4_mlx import kernels  # custom_kernels/, installed as ds4_mlx.kernels
+
+    return kernels
+
+
+class QuantWeight:
+    """A GGUF weight of shape ``(out, in)`` or ``(E, out, in)`` stored as the file stores it.
+
+    Block types (Q8_0, Q2_K, Q4_K, IQ2_XXS) hold ``data`` as uint8 ``(*shape[:-1], row_bytes)``;
+    plain types hold float32 / float16 / bfloat16 arrays of ``shape``.
+    """
+
+    def __init__(self, data: mx.array, qtype: QT, shape: Sequence[int]):
+        self.qtype = QT(qtype)
+        self.shape = tuple(int(s) for s in shape)
+        self.data = data
+        self._cache: dict = {}  # backend-specific derived forms (e.g. a lossless affine repack)
+        if self.qtype not in quants.SUPPORTED_TYPES:
+            raise NotImplementedError(f"QuantWeight: unsupported type {self.qtype.name}")
+        if len(self.shape) not in (2, 3):
+            raise ValueError(f"QuantWeight: expected a 2-D or 3-D shape, got {self.shape}")
+        want = self.storage_shape(self.qtype, self.shape)
+        if tuple(data.shape) != want:
+            raise ValueError(f"QuantWeight {self.qtype.name}{self.shape}: storage {data.shape}, expected {want}")
+
+    @staticmethod
+    def storage_shape(qtype: QT, shape: Sequence[int]) -> tuple[int, ...]:
+        if QT(qtype) in quants.PLAIN_TYPES:
+            return tuple(shape)
+        return (*shape[:-1], quants.row_bytes(qtype, shape[-1]))
+
+    @classmethod
+    def from_numpy(cls, data: np.ndarray, qtype: QT, shape: Sequence[int]) -> "QuantWeight":
+        """Wrap a tensor as ``gguf.GGUFReader`` gives it (uint8 rows for block types, element arrays otherwise)."""
+        qtype, shape = QT(qtype), tuple(int(s) for s in shape)
+        a = np.ascontiguousarray(data)
+        if qtype == QT.F32:
+            arr = mx.array(a.view(np.float32).reshape(shape))
+        elif qtype == QT.F16:
+            arr = mx.array(a.view(np.float16).reshape(shape))
+        elif qtype == QT.BF16:  # numpy has no bfloat16: carry the bits as uint16
+            arr = mx.array(a.view(np.uint16).reshape(shape)).view(mx.bfloat16)
+        else:
+            arr = mx.array(a.view(np.uint8).reshape(cls.storage_shape(qtype, shape)))
+        return cls(arr, qtype, shape)
+
+    # --- properties -------------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    def __repr__(self) -> str:
+        return f"QuantWeight({self.qtype.name}, shape={self.shape})"
+
+    # --- dequantization ---------------------------------------------------------------------------------
+
+    def dequantize(self) -> mx.array:
+        """float32 of ``shape``, exactly the GGUF values."""
+        return quants.dequantize(self.data, self.qtype)
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Rows ``ids`` of a 2-D weight as float32 ``[*ids.shape, in]`` (the embedding lookup)."""
+        if len(self.shape) != 2:
+            raise ValueError("rows() needs a 2-D weight")
+        return quants.dequantize(self.data[ids], self.qtype)
+
+    # --- products ---------------------------------------------------------------------------------------
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """``y = x @ W.T``: x ``[..., in]`` → float32 ``[..., out]`` for a 2-D weight."""
+        if len(self.shape) != 2:
+            raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"matmul: x has {x.shape[-1]} features, weight expects {self.in_features}")
+        backend = kernel_backend()
+        if backend != "fallback":
+            return _kernels().matmul(self, x, backend)
+        return self._fallback_matmul(x)
+
+    def gather_matmul(self, x: mx.array, ids: mx.array) -> mx.array:
+        """Expert-gathered product for a 3-D ``(E, out, in)`` weight.
+
+        ``x``: ``[N, in]`` (one input shared by all k slots) or ``[N, k, in]`` (one input per slot);
+        ``ids``: int32 ``[N, k]`` expert ids. Returns float32 ``[N, k, out]`` with
+        ``y[n, s] = W[ids[n, s]] @ x[n(, s)]``. Experts that are not selected are never read.
+        """
+        if len(self.shape) != 3:
+            raise ValueError(f"gather_matmul needs a 3-D (E, out, in) weight, this one is {self.shape}")
+        if ids.ndim != 2:
+            raise ValueError(f"gather_matmul: ids must be [N, k], got {ids.shape}")
+        N, k = ids.shape
+        if x.shape not in ((N, self.in_features), (N, k, self.in_features)):
+            raise ValueError(f"gather_matmul: x {x.shape} does not fit ids {ids.shape} and in={self.in_features}")
+        backend = kernel_backend()
+        if backend != "fallback":
+            return _kernels().gather_matmul(self, x, ids, backend)
+        return self._fallback_gather_matmul(x, ids)
+
+    # --- pure-MLX fallback ------------------------------------------------------------------------------
+
+    def _fallback_matmul(self, x: mx.array) -> mx.array:
+        x = x.astype(mx.float32)
+        out, n_in = self.shape
+        step = max(1, FALLBACK_MAX_ELEMS // n_in)  # dequantize at most ~256 MiB of rows at a time
+        parts = []
+        for r0 in range(0, out, step):
+            w = quants.dequantize(self.data[r0 : r0 + step], self.qtype)  # (rows, in) f32
+            parts.append(x @ w.T)  # [..., rows]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    def _fallback_gather_matmul(self, x: mx.array, ids: mx.array) -> mx.array:
+        E, out, n_in = self.shape
+        N, k = ids.shape
+        P = N * k
+        x = x.astype(mx.float32)
+        xp = mx.broadcast_to(x[:, None, :], (N, k, n_in)) if x.ndim == 2 else x
+        xp = xp.reshape(P, 1, n_in)  # one row per (token, slot) pair
+        flat = ids.reshape(P).astype(mx.int32)
+
+        if P * out * n_in <= FALLBACK_MAX_ELEMS:
+            # Small batch: gather the selected experts' bytes, dequantize only those.
+            w = quants.dequantize(self.data[flat], self.qtype)  # (P, out, in)
+            return (xp @ w.swapaxes(1, 2)).reshape(N, k, out)
+
+        # Large batch: visit the distinct experts in memory-bounded chunks, pairs grouped by expert.
+        ids_np = np.array(flat)
+        if ids_np.size and (ids_np.min() < 0 or ids_np.max() >= E):
+            raise IndexError(f"gather_matmul: expert id out of range [0, {E})")
+        order = np.argsort(ids_np, kind="stable")  # pairs sorted by expert
+        uniq, starts = np.unique(ids_np[order], return_index=True)
+        bounds = np.append(starts, P)
+        per_chunk = max(1, FALLBACK_MAX_ELEMS // (out * n_in))
+        parts = []
+        for c0 in range(0, len(uniq), per_chunk):
+            c1 = min(c0 + per_chunk, len(uniq))
+            sel = order[bounds[c0] : bounds[c1]]  # pairs whose expert is in this chunk
+            local = np.searchsorted(uniq[c0:c1], ids_np[sel]).astype(np.int32)
+            w = quants.dequantize(self.data[mx.array(uniq[c0:c1].astype(np.int32))], self.qtype)  # (c, out, in)
+            y = mx.gather_mm(xp[mx.array(sel.astype(np.int32))], w.swapaxes(1, 2), rhs_indices=mx.array(local))
+            parts.append(y.reshape(-1, out))
+            mx.eval(parts[-1])  # bound peak memory to one chunk
+        inv = np.empty(P, dtype=np.int32)
+        inv[order] = np.arange(P, dtype=np.int32)
+        return mx.concatenate(parts, axis=0)[mx.array(inv)].reshape(N, k, out)
