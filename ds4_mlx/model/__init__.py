@@ -1,0 +1,1 @@
+"""The DeepSeek V4 Flash graph: hyper-connections, attention, MoE and their assembly (MODEL.md §4)."""

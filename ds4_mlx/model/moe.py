@@ -1,0 +1,112 @@
+"""The FFN sublayer: sqrt-softplus router, hash or top-k expert selection, clamped SwiGLU experts
+and the shared expert (MODEL.md §4.8, ds4 ``layer_ffn_one()``).
+
+Routed experts run through ``QuantWeight.gather_matmul`` so only the selected experts' blocks are
+read; the expert tensors stay in their GGUF quantization.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import ModelConfig
+
+ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
+
+
+def sqrt_softplus(x: mx.array) -> mx.array:
+    """``sqrt(softplus(x))`` with ds4's thresholds: softplus(x) = x if x > 20, exp(x) if x < -20."""
+    sp = mx.where(x > 20.0, x, mx.where(x < -20.0, mx.exp(x), mx.log1p(mx.exp(mx.minimum(x, 20.0)))))
+    return mx.sqrt(sp)
+
+
+def topk_lowest_index(scores: mx.array, k: int) -> mx.array:
+    """Indices of the k largest ``scores [T, N]`` -> int32 ``[T, k]``, by descending score.
+
+    Ties go to the lower index, as ds4's ``topk_desc()`` does (repeated strict-``>`` arg-max). MLX
+    documents no tie order for ``topk``/``argsort``, so the rule is implemented explicitly: each
+    round takes the smallest index among the current maxima, then masks it out.
+    """
+    N = scores.shape[-1]
+    idx = mx.arange(N, dtype=mx.int32)  # [N]
+    s = scores
+    picks = []
+    for _ in range(k):
+        top = s.max(axis=-1, keepdims=True)  # [T, 1]
+        i = mx.where(s == top, idx, N).min(axis=-1)  # [T] lowest index among the maxima
+        picks.append(i)
+        s = mx.where(idx == i[:, None], -mx.inf, s)
+    return mx.stack(picks, axis=-1).astype(mx.int32)  # [T, k]
+
+
+def route_weights(prob_sel: mx.array, cfg: ModelConfig) -> mx.array:
+    """Route weights from the selected unbiased probabilities ``[T, k]`` (§4.8 step 5)."""
+    if cfg.expert_weights_norm:
+        prob_sel = prob_sel / mx.maximum(prob_sel.sum(axis=-1, keepdims=True), ROUTE_SUM_FLOOR)
+    return prob_sel * cfg.expert_weights_scale
+
+
+def swiglu(g: mx.array, u: mx.array, clamp: float) -> mx.array:
+    """``silu(min(g, c)) * clamp(u, -c, c)`` (ds4 ``swiglu()``, applied to routed and shared experts)."""
+    if clamp > 0:
+        g = mx.minimum(g, clamp)
+        u = mx.clip(u, -clamp, clamp)
+    return g * mx.sigmoid(g) * u
+
+
+class MoE:
+    """FFN sublayer of layer ``il``: ``y = sum_i W_down[e_i](w_i * swiglu(...)) + shared(n)``.
+
+    ``weights`` is the model's dict keyed by GGUF tensor names (``blk.{il}.ffn_*``).
+    """
+
+    def __init__(self, cfg: ModelConfig, il: int, weights: dict[str, Any], numerics: Any = None):
+        p = f"blk.{il}."
+        self.cfg, self.il = cfg, il
+        self.clamp = float(cfg.swiglu_clamp[il])
+        self.ffn_norm = weights[p + "ffn_norm.weight"]
+        self.ffn_gate_inp = weights[p + "ffn_gate_inp.weight"]  # [n_expert, E] F16
+        self.exp_probs_b = weights.get(p + "exp_probs_b.bias")  # [n_expert] f32, optional
+        self.ffn_gate_tid2eid = weights.get(p + "ffn_gate_tid2eid.weight") if cfg.is_hash_layer(il) else None
+        if cfg.is_hash_layer(il) and self.ffn_gate_tid2eid is None:
+            raise ValueError(f"hash layer {il} has no {p}ffn_gate_tid2eid.weight")
+        self.ffn_gate_exps = weights[p + "ffn_gate_exps.weight"]  # [n_expert, F, E]
+        self.ffn_up_exps = weights[p + "ffn_up_exps.weight"]  # [n_expert, F, E]
+        self.ffn_down_exps = weights[p + "ffn_down_exps.weight"]  # [n_expert, E, F]
+        self.ffn_gate_shexp = weights[p + "ffn_gate_shexp.weight"]  # [F, E]
+        self.ffn_up_shexp = weights[p + "ffn_up_shexp.weight"]  # [F, E]
+        self.ffn_down_shexp = weights[p + "ffn_down_shexp.weight"]  # [E, F]
+
+    def route(self, n: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """Router: normed input ``n [T, E]``, token ids ``[T]`` -> (expert ids int32 [T,k], weights [T,k])."""
+        k = self.cfg.n_expert_used
+        prob = sqrt_softplus(self.ffn_gate_inp.matmul(n))  # [T, n_expert]
+        if self.ffn_gate_tid2eid is not None:
+            # Hash layers: fixed experts per token id (Metal clamps the id; bias unused).
+            tok = mx.clip(tokens.astype(mx.int32), 0, self.ffn_gate_tid2eid.shape[0] - 1)
+            sel = self.ffn_gate_tid2eid[tok].astype(mx.int32)  # [T, k]
+        else:
+            score = prob if self.exp_probs_b is None else prob + self.exp_probs_b  # bias: selection only
+            sel = topk_lowest_index(score, k)  # [T, k]
+        w = route_weights(mx.take_along_axis(prob, sel, axis=-1), self.cfg)  # [T, k]
+        return sel, w
+
+    def routed(self, n: mx.array, sel: mx.array, w: mx.array) -> mx.array:
+        """Routed experts: ``sum_i W_down[e_i] (swiglu(W_gate[e_i] n, W_up[e_i] n) * w_i)`` -> [T, E]."""
+        g = self.ffn_gate_exps.gather_matmul(n, sel)  # [T, k, F]
+        u = self.ffn_up_exps.gather_matmul(n, sel)  # [T, k, F]
+        mid = swiglu(g, u, self.clamp) * w[..., None]  # route weight before down (ds4)
+        return self.ffn_down_exps.gather_matmul(mid, sel).sum(axis=1)  # [T, k, E] -> [T, E]
+
+    def shared(self, n: mx.array) -> mx.array:
+        """Shared expert with the same clamped SwiGLU -> [T, E]."""
+        mid = swiglu(self.ffn_gate_shexp.matmul(n), self.ffn_up_shexp.matmul(n), self.clamp)  # [T, F]
+        return self.ffn_down_shexp.matmul(mid)
+
+    def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:
+        """``x [T, E]`` = HC-pre output, ``tokens [T]`` the input ids -> ``y [T, E]`` (before HC post)."""
+        n = mx.fast.rms_norm(x, self.ffn_norm, self.cfg.rms_eps)  # [T, E]
+        sel, w = self.route(n, tokens)
+        return self.routed(n, sel, w) + self.shared(n)
