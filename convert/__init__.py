@@ -1,0 +1,1 @@
+"""GGUF → MLX model directory converter (installed as ``ds4_mlx.convert``)."""

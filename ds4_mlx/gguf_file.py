@@ -1,0 +1,339 @@
+"""Open and validate a DS4 GGUF, then bind its tensors by name (MODEL.md §2–3).
+
+Like ds4.c we fail early with one clear message: every problem raises :class:`DS4FormatError` naming the
+file, the key or tensor, and what was expected versus found. The file is memory-mapped by
+``gguf.GGUFReader``; :attr:`TensorInfo.data` is a view into it, not a copy.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType as VT, GGMLQuantizationType as T
+
+from .config import ModelConfig
+from .layout import expected_tensors, optional_tensors, tensor_nbytes
+
+ARCH = "deepseek4"
+
+_INT_TYPES = (VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64)
+_NUM_TYPES = _INT_TYPES + (VT.FLOAT32, VT.FLOAT64)
+
+# (ModelConfig field, metadata key without the "deepseek4." prefix): integers.
+_INT_KEYS = {
+    "n_layer": "block_count",
+    "n_embd": "embedding_length",
+    "n_vocab": "vocab_size",
+    "n_head": "attention.head_count",
+    "n_head_kv": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "n_rot": "rope.dimension_count",
+    "q_lora_rank": "attention.q_lora_rank",
+    "o_lora_rank": "attention.output_lora_rank",
+    "n_out_group": "attention.output_group_count",
+    "n_expert": "expert_count",
+    "n_expert_used": "expert_used_count",
+    "n_ff_exp": "expert_feed_forward_length",
+    "n_expert_shared": "expert_shared_count",
+    "n_hash_layer": "hash_layer_count",
+    "n_swa": "attention.sliding_window",
+    "n_indexer_head": "attention.indexer.head_count",
+    "indexer_head_dim": "attention.indexer.key_length",
+    "indexer_top_k": "attention.indexer.top_k",
+    "n_hc": "hyper_connection.count",
+    "n_sinkhorn_iter": "hyper_connection.sinkhorn_iterations",
+    "rope_orig_ctx": "rope.scaling.original_context_length",
+}
+_FLOAT_KEYS = {
+    "rope_freq_base": "rope.freq_base",
+    "compress_rope_freq_base": "attention.compress_rope_freq_base",
+    "rope_scaling_factor": "rope.scaling.factor",
+    "yarn_beta_fast": "rope.scaling.yarn_beta_fast",
+    "yarn_beta_slow": "rope.scaling.yarn_beta_slow",
+    "expert_weights_scale": "expert_weights_scale",
+    "rms_eps": "attention.layer_norm_rms_epsilon",
+    "hc_eps": "hyper_connection.epsilon",
+}
+
+SPECIAL_TOKENS = (
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+    "｜DSML｜",
+)
+
+
+class DS4FormatError(ValueError):
+    """A file that is not a usable DS4 GGUF. The message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file: GGML type, row-major shape, and the raw memory-mapped data."""
+
+    name: str
+    qtype: T
+    shape: tuple[int, ...]
+    data: np.ndarray  # uint8 (..., row_bytes) for block types; float16/float32/int32 of `shape` otherwise
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TokenizerData:
+    """The ``tokenizer.*`` keys: id-indexed token strings (GPT-2 byte-char form) and ranked merges."""
+
+    tokens: list[str]
+    merges: list[str]
+    token_types: list[int] | None = None
+
+
+@dataclass
+class GGUFModel:
+    """A validated DS4 GGUF: parsed config, tensors bound by name, tokenizer data."""
+
+    path: Path
+    config: ModelConfig
+    tensors: dict[str, TensorInfo]
+    tokenizer: TokenizerData
+    metadata: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFModel:
+    """Open ``path``, validate metadata and tensor layout, and return the bound model.
+
+    Raises :class:`DS4FormatError` (one message naming file, key/tensor, expected vs found) on: a file
+    that is not GGUF, a truncated file, another architecture, inconsistent metadata, and a missing,
+    unexpected, wrongly typed or wrongly shaped tensor.
+    """
+    path = Path(path)
+    where = str(path)
+    if not path.is_file():
+        raise DS4FormatError(f"{where}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise DS4FormatError(f"{where}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # the reader raises assorted errors on a cut header
+        size = path.stat().st_size
+        raise DS4FormatError(
+            f"{where}: truncated or corrupt GGUF file ({size} bytes; reader said {type(e).__name__}: {e})"
+        ) from None
+
+    meta = _Metadata(reader, where)
+    version = meta.raw("GGUF.version")
+    if version != 3:
+        raise DS4FormatError(f"{where}: GGUF version {version}, expected 3")
+    arch = meta.get("general.architecture", str, required=False)
+    if arch != ARCH:
+        raise DS4FormatError(
+            f"{where}: general.architecture is {arch!r}, expected {ARCH!r} (this is not a DeepSeek V4 Flash GGUF)"
+        )
+    config = _parse_config(meta)
+    tokenizer = _parse_tokenizer(meta, config)
+    tensors = _bind_tensors(reader, config, where)
+    config = replace(
+        config,
+        expert_types=tuple(tensors[f"blk.0.ffn_{k}_exps.weight"].qtype.name for k in ("gate", "up", "down")),
+    )
+    return GGUFModel(path, config, tensors, tokenizer, meta.values())
+
+
+def load_weights(model: GGUFModel) -> dict[str, Any]:
+    """Turn the bound tensors into MLX values keyed by GGUF name (see TEAM interface).
+
+    Matrices (ndim >= 2) become :class:`ds4_mlx.weights.QuantWeight`; 1-D F32 tensors and the hash
+    routing tables become plain ``mx.array`` (float32 / int32).
+    """
+    import mlx.core as mx
+
+    from .weights import QuantWeight
+
+    out: dict[str, Any] = {}
+    for name, t in model.tensors.items():
+        if name.endswith("ffn_gate_tid2eid.weight"):
+            out[name] = mx.array(np.asarray(t.data, dtype=np.int32))
+        elif len(t.shape) == 1:
+            out[name] = mx.array(np.asarray(t.data, dtype=np.float32))
+        else:
+            out[name] = QuantWeight.from_numpy(t.data, t.qtype, t.shape)
+    return out
+
+
+# ---- metadata ------------------------------------------------------------------------------------
+
+
+class _Metadata:
+    """Typed access to GGUF key/values with error messages that name the file and key."""
+
+    def __init__(self, reader: GGUFReader, where: str):
+        self.fields = reader.fields
+        self.where = where
+
+    def raw(self, key: str) -> Any:
+        f = self.fields.get(key)
+        return None if f is None else f.contents()
+
+    def _field(self, key: str):
+        f = self.fields.get(key)
+        if f is None:
+            raise DS4FormatError(f"{self.where}: missing metadata key {key}")
+        return f
+
+    def get(self, key: str, kind: type, required: bool = True) -> Any:
+        f = self.fields.get(key)
+        if f is None:
+            if required:
+                raise DS4FormatError(f"{self.where}: missing metadata key {key}")
+            return None
+        vt = f.types[0]
+        ok = {
+            int: vt in _INT_TYPES,
+            float: vt in _NUM_TYPES,
+            bool: vt == VT.BOOL,
+            str: vt == VT.STRING,
+        }[kind]
+        if not ok:
+            raise DS4FormatError(f"{self.where}: metadata key {key} has type {vt.name}, expected {kind.__name__}")
+        return kind(f.contents())
+
+    def array(self, key: str, kind: type, min_len: int) -> list:
+        f = self._field(key)
+        if f.types[0] != VT.ARRAY:
+            raise DS4FormatError(f"{self.where}: metadata key {key} is {f.types[0].name}, expected an array")
+        elem = f.types[1] if len(f.types) > 1 else None
+        allowed = _INT_TYPES if kind is int else (VT.FLOAT32, VT.FLOAT64) if kind is float else (VT.STRING,)
+        values = f.contents()
+        if values and elem not in allowed:
+            raise DS4FormatError(
+                f"{self.where}: metadata array {key} holds {elem.name if elem else '?'}, expected {kind.__name__}"
+            )
+        if len(values) < min_len:
+            raise DS4FormatError(
+                f"{self.where}: metadata array {key} has {len(values)} entries, expected at least {min_len}"
+            )
+        return [kind(v) for v in values]
+
+    def values(self) -> dict[str, Any]:
+        out = {}
+        for k, f in self.fields.items():
+            if k.startswith("tokenizer.ggml.") and f.types and f.types[0] == VT.ARRAY:
+                out[k] = f"[{len(f.data)} entries]"
+            else:
+                out[k] = f.contents()
+        return out
+
+
+def _parse_config(meta: _Metadata) -> ModelConfig:
+    p = ARCH + "."
+    ints = {field: meta.get(p + key, int) for field, key in _INT_KEYS.items()}
+    floats = {field: meta.get(p + key, float) for field, key in _FLOAT_KEYS.items()}
+    n_layer = ints["n_layer"]
+    ratios = meta.array(p + "attention.compress_ratios", int, n_layer)[:n_layer]
+    clamp = meta.array(p + "swiglu_clamp_exp", float, n_layer)[:n_layer]
+    cfg = ModelConfig(
+        **ints,
+        **floats,
+        compress_ratios=tuple(ratios),
+        swiglu_clamp=tuple(clamp),
+        expert_weights_norm=meta.get(p + "expert_weights_norm", bool),
+        context_length=meta.get(p + "context_length", int, required=False) or 0,
+        name=meta.get("general.name", str, required=False) or "",
+    )
+    value_length = meta.get(p + "attention.value_length", int)
+    group_count = meta.get(p + "expert_group_count", int, required=False) or 0
+    group_used = meta.get(p + "expert_group_used_count", int, required=False) or 0
+    _check_consistency(cfg, meta.where, value_length, group_count, group_used)
+    return cfg
+
+
+def _check_consistency(cfg: ModelConfig, where: str, value_length: int, group_count: int, group_used: int) -> None:
+    """Relations the graph relies on (MODEL.md §9.2). Each failure names the keys involved."""
+    p = ARCH + "."
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise DS4FormatError(f"{where}: inconsistent metadata: {what}")
+
+    for field, key in _INT_KEYS.items():
+        need(getattr(cfg, field) >= (0 if field == "n_hash_layer" else 1), f"{p}{key} = {getattr(cfg, field)}, expected > 0")
+    need(value_length == cfg.head_dim, f"{p}attention.value_length {value_length} != key_length {cfg.head_dim}")
+    need(cfg.n_head_kv == 1, f"{p}attention.head_count_kv = {cfg.n_head_kv}, expected 1 (one shared K=V head)")
+    need(cfg.n_expert_used <= cfg.n_expert, f"{p}expert_used_count {cfg.n_expert_used} > expert_count {cfg.n_expert}")
+    need(cfg.n_expert_shared == 1, f"{p}expert_shared_count = {cfg.n_expert_shared}, expected 1")
+    need(cfg.n_hash_layer <= cfg.n_layer, f"{p}hash_layer_count {cfg.n_hash_layer} > block_count {cfg.n_layer}")
+    need(cfg.n_head % cfg.n_out_group == 0, f"{p}attention.head_count {cfg.n_head} not divisible by output_group_count {cfg.n_out_group}")
+    need(cfg.n_rot % 2 == 0 and cfg.n_rot <= min(cfg.head_dim, cfg.indexer_head_dim), f"{p}rope.dimension_count {cfg.n_rot} must be even and <= key lengths")
+    need(cfg.nope_dim > 0 and cfg.nope_dim % 64 == 0, f"{p}attention.key_length - rope.dimension_count = {cfg.nope_dim}, expected a positive multiple of 64 (FP8 blocks)")
+    need(cfg.indexer_head_dim == 128, f"{p}attention.indexer.key_length = {cfg.indexer_head_dim}, expected 128 (Hadamard-128)")
+    need(cfg.n_embd % 256 == 0 and cfg.n_ff_exp % 256 == 0, f"{p}embedding_length {cfg.n_embd} and expert_feed_forward_length {cfg.n_ff_exp} must be multiples of 256")
+    need(cfg.q_lora_rank % 32 == 0 and cfg.o_lora_rank % 32 == 0, f"{p}attention.q_lora_rank/output_lora_rank must be multiples of 32 (Q8_0 rows)")
+    need(group_count == 0 and group_used == 0, f"{p}expert_group_count/expert_group_used_count = {group_count}/{group_used}, expected 0 (no group-limited routing)")
+    for il, r in enumerate(cfg.compress_ratios):
+        need(r >= 0, f"{p}attention.compress_ratios[{il}] = {r}, expected >= 0")
+    need(all(c > 0 for c in cfg.swiglu_clamp), f"{p}swiglu_clamp_exp must be positive")
+
+
+def _parse_tokenizer(meta: _Metadata, cfg: ModelConfig) -> TokenizerData:
+    tokens = meta.array("tokenizer.ggml.tokens", str, 1)
+    if len(tokens) != cfg.n_vocab:
+        raise DS4FormatError(
+            f"{meta.where}: tokenizer.ggml.tokens has {len(tokens)} entries, expected vocab_size {cfg.n_vocab}"
+        )
+    merges = meta.array("tokenizer.ggml.merges", str, 1)
+    known = set(tokens)
+    for s in SPECIAL_TOKENS:
+        if s not in known:
+            raise DS4FormatError(f"{meta.where}: tokenizer.ggml.tokens lacks the special token {s!r}")
+    types = meta.fields.get("tokenizer.ggml.token_type")
+    return TokenizerData(tokens, merges, [int(t) for t in types.contents()] if types is not None else None)
+
+
+# ---- tensors -------------------------------------------------------------------------------------
+
+
+def _bind_tensors(reader: GGUFReader, cfg: ModelConfig, where: str) -> dict[str, TensorInfo]:
+    expected = expected_tensors(cfg)
+    optional = optional_tensors(cfg)
+    found: dict[str, TensorInfo] = {}
+    for t in reader.tensors:  # GGUFReader already refused a file too short for its tensor data
+        spec = expected.get(t.name) or optional.get(t.name)
+        if spec is None:
+            raise DS4FormatError(f"{where}: unexpected tensor {t.name} (not part of the DS4 layout for this config)")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        qtype = T(t.tensor_type)
+        if qtype not in spec.types:
+            allowed = "/".join(x.name for x in spec.types)
+            raise DS4FormatError(f"{where}: tensor {t.name} has type {qtype.name}, expected {allowed}")
+        if shape != spec.shape:
+            raise DS4FormatError(f"{where}: tensor {t.name} has shape {list(shape)}, expected {list(spec.shape)}")
+        found[t.name] = TensorInfo(t.name, qtype, shape, t.data, tensor_nbytes(shape, qtype))
+    missing = [n for n in expected if n not in found and n not in optional]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise DS4FormatError(f"{where}: missing tensor {missing[0]}{more}")
+    _check_expert_types(found, cfg, where)
+    return found
+
+
+def _check_expert_types(found: dict[str, TensorInfo], cfg: ModelConfig, where: str) -> None:
+    """Routed gate and up must share one type; down may differ (MODEL.md §3.1)."""
+    for il in range(cfg.n_layer):
+        g, u = (found[f"blk.{il}.ffn_{k}_exps.weight"].qtype for k in ("gate", "up"))
+        if g != u:
+            raise DS4FormatError(
+                f"{where}: blk.{il}.ffn_gate_exps.weight is {g.name} but ffn_up_exps is {u.name}; "
+                "gate and up must share a type"
+            )

@@ -1,0 +1,308 @@
+"""Tiny random-weight DS4 GGUFs in the real layout (MODEL.md §9) — the project's test bed.
+
+The real model is 81 GB; these files have the same metadata keys, tensor names, dtypes and structural
+features (hash layers, CSA/HCA compression, indexer, q2/q4/f16 experts) at a size that runs on a laptop CPU.
+
+Weight scales follow one rule, chosen from fan-in so activations stay O(1) through every layer:
+every matrix ``W[out][in]`` has entries of standard deviation ``1/sqrt(in)`` (so ``W @ x`` keeps the
+RMS of a unit-RMS input), the embedding rows have unit variance, norm weights are drawn from
+U(0.8, 1.2), and the small per-layer vectors (HC base/scale, sinks, APE, router bias) are O(1) random.
+For the K-quant and IQ2 types, whose values cannot be drawn directly, random valid blocks are written
+with their f16 scale fields set so the dequantized weights have that standard deviation (and roughly
+zero mean). Everything derives from one ``numpy.random.Generator`` seed, so a seed gives identical bytes.
+
+The tokenizer is a real byte-level BPE: 256 byte tokens, merges learned from a small embedded
+English+code+CJK corpus, and the 7 DS4 special strings (BOS id 0, EOS id 1).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFWriter, GGMLQuantizationType as T
+from gguf import quants as gquants
+
+from .config import ModelConfig
+from .gguf_file import _FLOAT_KEYS, _INT_KEYS, ARCH, SPECIAL_TOKENS, TokenizerData
+from .layout import EXPERT_VARIANTS, expected_tensors
+
+Tensors = dict[str, tuple[np.ndarray, T]]
+
+
+def tiny_config(hca_ratio: int = 16, layers: int = 6, **overrides) -> ModelConfig:
+    """The tiny config of MODEL.md §9.1: ratios 0,0 then alternating 4/R; 3 hash layers."""
+    ratios = tuple([0, 0] + [4 if il % 2 == 0 else hca_ratio for il in range(2, layers)])
+    values = dict(
+        n_layer=layers, n_embd=256, n_vocab=512, n_head=4, n_head_kv=1, head_dim=128, n_rot=64,
+        q_lora_rank=64, o_lora_rank=64, n_out_group=2, n_expert=16, n_expert_used=6, n_ff_exp=256,
+        n_expert_shared=1, n_hash_layer=min(3, layers), n_swa=16, n_indexer_head=16, indexer_head_dim=128,
+        indexer_top_k=4, n_hc=4, n_sinkhorn_iter=20, compress_ratios=ratios, swiglu_clamp=(10.0,) * layers,
+        rope_freq_base=10000.0, compress_rope_freq_base=160000.0, rope_scaling_factor=16.0,
+        rope_orig_ctx=65536, yarn_beta_fast=32.0, yarn_beta_slow=1.0, expert_weights_scale=1.5,
+        expert_weights_norm=True, rms_eps=1e-6, hc_eps=1e-6, context_length=1048576,
+    )
+    values.update(overrides)
+    return ModelConfig(**values)
+
+
+def make_tiny_gguf(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    experts: str = "q2",
+    hca_ratio: int = 16,
+    layers: int = 6,
+    **overrides,
+) -> Path:
+    """Write a tiny random-weight DS4 GGUF to ``path`` and return the path.
+
+    ``experts`` picks the routed-expert layout: ``q2`` (IQ2_XXS gate/up, Q2_K down, like the published
+    2-bit file), ``q4`` (Q4_K) or ``f16``. ``overrides`` replace :func:`tiny_config` fields.
+    """
+    if experts not in EXPERT_VARIANTS:
+        raise ValueError(f"experts must be one of {sorted(EXPERT_VARIANTS)}, got {experts!r}")
+    cfg = tiny_config(hca_ratio=hca_ratio, layers=layers, **overrides)
+    rng = np.random.default_rng(seed)
+    tensors = random_tensors(cfg, rng, experts)
+    name = f"ds4-mlx tiny (seed {seed}, {experts} experts, HCA ratio {hca_ratio})"
+    return write_gguf(path, cfg, tensors, tiny_tokenizer(cfg.n_vocab), name=name)
+
+
+# ---- writing ---------------------------------------------------------------------------------------
+
+
+def config_metadata(cfg: ModelConfig) -> dict[str, tuple[str, object]]:
+    """The ``deepseek4.*`` keys for ``cfg`` as ``key -> (writer method, value)`` (types as ds4 expects)."""
+    p = ARCH + "."
+    md: dict[str, tuple[str, object]] = {}
+    for field, key in _INT_KEYS.items():
+        md[p + key] = ("add_uint32", getattr(cfg, field))
+    for field, key in _FLOAT_KEYS.items():
+        md[p + key] = ("add_float32", getattr(cfg, field))
+    md[p + "context_length"] = ("add_uint64", cfg.context_length)
+    md[p + "attention.value_length"] = ("add_uint32", cfg.head_dim)
+    md[p + "attention.compress_ratios"] = ("add_array", list(cfg.compress_ratios))
+    md[p + "swiglu_clamp_exp"] = ("add_array", [float(c) for c in cfg.swiglu_clamp])
+    md[p + "expert_weights_norm"] = ("add_bool", cfg.expert_weights_norm)
+    return md
+
+
+def write_gguf(
+    path: str | Path,
+    cfg: ModelConfig,
+    tensors: Tensors,
+    tokenizer: TokenizerData,
+    *,
+    name: str = "ds4-mlx tiny",
+    metadata: dict[str, tuple[str, object] | None] | None = None,
+    arch: str = ARCH,
+) -> Path:
+    """Write a GGUF with ``cfg``'s metadata, the tokenizer keys and ``tensors`` (name → (array, type)).
+
+    ``metadata`` adds or replaces keys (``None`` as a value drops the key): tests use it to write bad files.
+    Quantized tensors are given as raw block bytes (uint8 ``(..., row_bytes)``).
+    """
+    path = Path(path)
+    md = config_metadata(cfg)
+    md["general.name"] = ("add_string", name)
+    md["tokenizer.ggml.model"] = ("add_string", "gpt2")
+    md["tokenizer.ggml.pre"] = ("add_string", "joyai-llm")
+    md["tokenizer.ggml.tokens"] = ("add_array", tokenizer.tokens)
+    md["tokenizer.ggml.merges"] = ("add_array", tokenizer.merges)
+    if tokenizer.token_types is not None:
+        md["tokenizer.ggml.token_type"] = ("add_array", tokenizer.token_types)
+    md["tokenizer.ggml.bos_token_id"] = ("add_uint32", 0)
+    md["tokenizer.ggml.eos_token_id"] = ("add_uint32", 1)
+    md.update(metadata or {})
+    w = GGUFWriter(str(path), arch)
+    for key, entry in md.items():
+        if entry is not None:
+            method, value = entry
+            getattr(w, method)(key, value)
+    for tname, (arr, qtype) in tensors.items():
+        if qtype in (T.F32, T.F16, T.I32):
+            w.add_tensor(tname, arr)
+        else:
+            w.add_tensor(tname, arr, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---- random weights --------------------------------------------------------------------------------
+
+
+def random_tensors(cfg: ModelConfig, rng: np.random.Generator, experts: str = "q2") -> Tensors:
+    """Random weights for every tensor of the layout, scaled as the module docstring describes."""
+    gate_t, up_t, down_t = EXPERT_VARIANTS[experts]
+    out: Tensors = {}
+    for name, spec in expected_tensors(cfg).items():
+        shape, qtype = spec.shape, spec.types[0]
+        short = re.sub(r"^blk\.\d+\.|\.(weight|bias)$", "", name)  # e.g. "attn_q_a", "output_hc_base"
+        if spec.component == "experts":
+            qtype = {"ffn_gate_exps": gate_t, "ffn_up_exps": up_t, "ffn_down_exps": down_t}[short]
+            out[name] = (random_matrix(rng, shape, qtype), qtype)
+        elif qtype == T.I32:  # tid2eid: distinct experts per token row
+            rows = np.argsort(rng.random((shape[0], cfg.n_expert)), axis=1)[:, : shape[1]]
+            out[name] = (rows.astype(np.int32), qtype)
+        elif name == "token_embd.weight":
+            out[name] = (rng.standard_normal(shape).astype(np.float16), qtype)
+        elif len(shape) >= 2 and short.endswith("_ape"):
+            out[name] = (rng.normal(0.0, 0.5, shape).astype(np.float16), qtype)
+        elif len(shape) >= 2:
+            out[name] = (random_matrix(rng, shape, qtype), qtype)
+        else:
+            out[name] = (_random_vector(rng, short, shape), qtype)
+    return out
+
+
+def _random_vector(rng: np.random.Generator, short: str, shape: tuple[int, ...]) -> np.ndarray:
+    if short.endswith("norm"):
+        v = rng.uniform(0.8, 1.2, shape)
+    elif short.endswith("scale"):
+        v = rng.uniform(0.5, 1.5, shape)
+    elif short.endswith("base") or short == "attn_sinks":
+        v = rng.normal(0.0, 0.5 if short.endswith("base") else 1.0, shape)
+    elif short == "exp_probs_b":
+        v = rng.normal(0.0, 0.1, shape)
+    else:
+        raise AssertionError(f"no init rule for {short}")
+    return v.astype(np.float32)
+
+
+def random_matrix(rng: np.random.Generator, shape: tuple[int, ...], qtype: T) -> np.ndarray:
+    """A random weight of std ``1/sqrt(fan_in)``: float array, or raw block bytes for quantized types."""
+    std = 1.0 / np.sqrt(shape[-1])
+    if qtype in (T.F32, T.F16):
+        return rng.normal(0.0, std, shape).astype(np.float16 if qtype == T.F16 else np.float32)
+    if qtype == T.Q8_0:
+        return gquants.quantize(rng.normal(0.0, std, shape).astype(np.float32), T.Q8_0)
+    return random_blocks(rng, qtype, shape, std)
+
+
+# Where each block type keeps its f16 super-scales: (byte offset of d, byte offset of dmin or None, dmin/d).
+# dmin/d is chosen so the dequantized weights have roughly zero mean (E[d·sc·q] = E[dmin·m]).
+_SCALE_FIELDS = {T.Q8_0: (0, None, 0.0), T.IQ2_XXS: (0, None, 0.0), T.Q2_K: (80, 82, 1.5), T.Q4_K: (0, 2, 7.5)}
+
+
+def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Random but valid GGUF blocks (QUANTS.md §5.2) whose dequantized values have standard deviation ≈ std.
+
+    Returns uint8 of shape ``(*shape[:-1], row_bytes)``. Uniform random bytes, then the f16 scale fields
+    overwritten with finite values: d = std / rms_per_unit_d × U(0.5, 1.5) per block.
+    """
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block
+    raw = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
+    d_off, m_off, m_ratio = _SCALE_FIELDS[qtype]
+    d = (std / _unit_rms(qtype)) * rng.uniform(0.5, 1.5, n_blocks)
+    raw[:, d_off : d_off + 2] = d.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    if m_off is not None:
+        raw[:, m_off : m_off + 2] = (d * m_ratio).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
+
+
+@lru_cache(maxsize=None)
+def _unit_rms(qtype: T) -> float:
+    """RMS of dequantized random blocks with d = 1 (and dmin = ratio): calibrates :func:`random_blocks`."""
+    rng = np.random.default_rng(1234)
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (256, block_bytes), dtype=np.uint8)
+    d_off, m_off, m_ratio = _SCALE_FIELDS[qtype]
+    raw[:, d_off : d_off + 2] = np.full(256, 1.0, np.float16).view(np.uint8).reshape(256, 2)
+    if m_off is not None:
+        raw[:, m_off : m_off + 2] = np.full(256, m_ratio, np.float16).view(np.uint8).reshape(256, 2)
+    w = gquants.dequantize(raw, qtype)
+    return float(np.sqrt(np.mean(w.astype(np.float64) ** 2)))
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------------
+
+# ds4's pre-tokenizer split (SERVING.md §1.3) — merges never cross these pieces.
+_L = r"A-Za-z\u0080-\U0010FFFF"
+_P = r"!-/:-@\[-`{-~"
+_DS4_SPLIT = re.compile(
+    r"[0-9]{1,3}|[\u3040-\u30ff\u4e00-\u9fa5]+" rf"|[{_P}][A-Za-z]+|[{_L}]+"
+    rf"|[\x00-\x09\x0b\x0c\x0e-\x20\x7f][{_L}]+| [{_P}]+[\r\n]*|[{_P}]+[\r\n]*"
+    r"|[ \t\n\r\x0b\x0c]*[\r\n]" rf"|[ \t\x0b\x0c]+(?=[ \t\x0b\x0c][{_L}{_P}])"
+    r"|[ \t\x0b\x0c]+|[\s\S]"
+)
+
+
+def byte_to_char() -> list[str]:
+    """GPT-2's byte → printable char map (SERVING.md §1.5)."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+@lru_cache(maxsize=8)
+def tiny_tokenizer(vocab_size: int = 512) -> TokenizerData:
+    """A deterministic byte-level BPE vocabulary of exactly ``vocab_size`` tokens.
+
+    Layout: BOS (id 0), EOS (id 1), the 256 byte tokens, learned merges, then the other 5 specials.
+    Merges are learned greedily (most frequent pair; ties by the pair's text) over the pieces of the
+    embedded corpus, so the same vocabulary comes out on every machine.
+    """
+    specials = list(SPECIAL_TOKENS)
+    n_fixed = 256 + len(specials)
+    if vocab_size < n_fixed:
+        raise ValueError(f"vocab_size must be >= {n_fixed} (256 bytes + 7 specials), got {vocab_size}")
+    b2c = byte_to_char()
+    text = resources.files("ds4_mlx").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
+    words = Counter(tuple(b2c[b] for b in piece.encode("utf-8")) for piece in _DS4_SPLIT.findall(text))
+    vocab = specials[:2] + b2c
+    known = set(vocab)
+    merges: list[str] = []
+    while len(vocab) < vocab_size - (len(specials) - 2):
+        pairs: Counter = Counter()
+        for word, freq in words.items():
+            for a, b in zip(word, word[1:]):
+                pairs[(a, b)] += freq
+        if not pairs:
+            raise ValueError(f"the tiny corpus supports at most {len(vocab) + 5} tokens, asked for {vocab_size}")
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(f"{best[0]} {best[1]}")
+        joined = best[0] + best[1]
+        if joined not in known:
+            vocab.append(joined)
+            known.add(joined)
+        words = Counter({_merge_word(w, best, joined): f for w, f in words.items()})
+    tokens = vocab + specials[2:]
+    types = [3 if t in SPECIAL_TOKENS else 1 for t in tokens]
+    return TokenizerData(tokens, merges, types)
+
+
+def _merge_word(word: tuple[str, ...], pair: tuple[str, str], joined: str) -> tuple[str, ...]:
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+            out.append(joined)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def flash_config() -> ModelConfig:
+    """The real DeepSeek V4 Flash shape (MODEL.md §1), for benchmarks with in-memory random weights."""
+    ratios = tuple([0, 0] + [4 if il % 2 == 0 else 128 for il in range(2, 43)])
+    return tiny_config(
+        layers=43, n_embd=4096, n_vocab=129280, n_head=64, head_dim=512, q_lora_rank=1024, o_lora_rank=1024,
+        n_out_group=8, n_expert=256, n_ff_exp=2048, n_swa=128, n_indexer_head=64, indexer_top_k=512,
+        compress_ratios=ratios, name="DeepSeek V4 Flash (shape only)",
+    )

@@ -1,0 +1,25 @@
+"""Shared fixtures: tiny DS4 GGUFs written once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ds4_mlx.testing import make_tiny_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """``tiny_gguf(experts="q2", hca_ratio=16, seed=0, layers=6) -> Path``; each variant is written once."""
+    root = tmp_path_factory.mktemp("tiny")
+    cache: dict[tuple, Path] = {}
+
+    def make(experts: str = "q2", hca_ratio: int = 16, seed: int = 0, layers: int = 6) -> Path:
+        key = (experts, hca_ratio, seed, layers)
+        if key not in cache:
+            path = root / f"tiny-{experts}-r{hca_ratio}-s{seed}-l{layers}.gguf"
+            cache[key] = make_tiny_gguf(path, experts=experts, hca_ratio=hca_ratio, seed=seed, layers=layers)
+        return cache[key]
+
+    return make
