@@ -1,0 +1,33 @@
+"""The built-in demo model: a tiny random-weight GGUF built once and cached in the user cache dir.
+
+It lets every command (``generate --demo``, ``chat --demo``, ``serve --demo``) run on a fresh machine with
+no download. Its weights are random, so its text is gibberish — it exercises the engine, not the model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEMO_SEED = 0
+
+
+def cache_dir() -> Path:
+    """``$DS4_MLX_CACHE``, else ``$XDG_CACHE_HOME/ds4-mlx``, else ``~/.cache/ds4-mlx``."""
+    if os.environ.get("DS4_MLX_CACHE"):
+        return Path(os.environ["DS4_MLX_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ds4-mlx"
+
+
+def demo_model_path() -> Path:
+    """Path of the demo GGUF, writing it on first use (atomically, so a crash never leaves half a file)."""
+    from .testing import make_tiny_gguf
+
+    path = cache_dir() / f"demo-tiny-q2-seed{DEMO_SEED}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        make_tiny_gguf(tmp, seed=DEMO_SEED, experts="q2", hca_ratio=16)
+        os.replace(tmp, path)
+    return path
