@@ -17,6 +17,7 @@ from gguf import GGUFReader, GGUFValueType as VT, GGMLQuantizationType as T
 
 from .config import ModelConfig
 from .layout import expected_tensors, optional_tensors, tensor_nbytes
+from .tokenizer import SPECIAL_TOKENS
 
 ARCH = "deepseek4"
 
@@ -59,15 +60,6 @@ _FLOAT_KEYS = {
     "hc_eps": "hyper_connection.epsilon",
 }
 
-SPECIAL_TOKENS = (
-    "<｜begin▁of▁sentence｜>",
-    "<｜end▁of▁sentence｜>",
-    "<｜User｜>",
-    "<｜Assistant｜>",
-    "<think>",
-    "</think>",
-    "｜DSML｜",
-)
 
 
 class DS4FormatError(ValueError):

@@ -28,8 +28,9 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, GGMLQuantizationType as T
 from gguf import quants as gquants
 
 from .config import ModelConfig
-from .gguf_file import _FLOAT_KEYS, _INT_KEYS, ARCH, SPECIAL_TOKENS, TokenizerData
+from .gguf_file import _FLOAT_KEYS, _INT_KEYS, ARCH, TokenizerData
 from .layout import EXPERT_VARIANTS, expected_tensors
+from .tokenizer import DS4_SPLIT, SPECIAL_TOKENS, bytes_to_unicode
 
 Tensors = dict[str, tuple[np.ndarray, T]]
 
@@ -225,30 +226,6 @@ def _unit_rms(qtype: T) -> float:
 
 # ---- tokenizer ---------------------------------------------------------------------------------------
 
-# ds4's pre-tokenizer split (SERVING.md §1.3) — merges never cross these pieces.
-_L = r"A-Za-z\u0080-\U0010FFFF"
-_P = r"!-/:-@\[-`{-~"
-_DS4_SPLIT = re.compile(
-    r"[0-9]{1,3}|[\u3040-\u30ff\u4e00-\u9fa5]+" rf"|[{_P}][A-Za-z]+|[{_L}]+"
-    rf"|[\x00-\x09\x0b\x0c\x0e-\x20\x7f][{_L}]+| [{_P}]+[\r\n]*|[{_P}]+[\r\n]*"
-    r"|[ \t\n\r\x0b\x0c]*[\r\n]" rf"|[ \t\x0b\x0c]+(?=[ \t\x0b\x0c][{_L}{_P}])"
-    r"|[ \t\x0b\x0c]+|[\s\S]"
-)
-
-
-def byte_to_char() -> list[str]:
-    """GPT-2's byte → printable char map (SERVING.md §1.5)."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
 @lru_cache(maxsize=8)
 def tiny_tokenizer(vocab_size: int = 512) -> TokenizerData:
     """A deterministic byte-level BPE vocabulary of exactly ``vocab_size`` tokens.
@@ -261,9 +238,9 @@ def tiny_tokenizer(vocab_size: int = 512) -> TokenizerData:
     n_fixed = 256 + len(specials)
     if vocab_size < n_fixed:
         raise ValueError(f"vocab_size must be >= {n_fixed} (256 bytes + 7 specials), got {vocab_size}")
-    b2c = byte_to_char()
+    b2c = [bytes_to_unicode()[b] for b in range(256)]
     text = resources.files("ds4_mlx").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
-    words = Counter(tuple(b2c[b] for b in piece.encode("utf-8")) for piece in _DS4_SPLIT.findall(text))
+    words = Counter(tuple(b2c[b] for b in piece.encode("utf-8")) for piece in DS4_SPLIT.findall(text))
     vocab = specials[:2] + b2c
     known = set(vocab)
     merges: list[str] = []

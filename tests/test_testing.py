@@ -9,10 +9,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gquants
 
-from ds4_mlx.gguf_file import SPECIAL_TOKENS, open_gguf
+from ds4_mlx.gguf_file import open_gguf
+from ds4_mlx.tokenizer import SPECIAL_TOKENS, bytes_to_unicode
 from ds4_mlx.layout import decode_bytes_per_token, expected_tensors, layout_sizes
 from ds4_mlx.testing import (
-    byte_to_char,
     flash_config,
     make_tiny_gguf,
     random_blocks,
@@ -75,7 +75,7 @@ def test_tokenizer_is_real_bpe():
     assert len(tok.tokens) == 512 and len(set(tok.tokens)) == 512
     assert tok.tokens[:2] == list(SPECIAL_TOKENS[:2])
     assert set(SPECIAL_TOKENS) <= set(tok.tokens)
-    b2c = byte_to_char()
+    b2c = [bytes_to_unicode()[b] for b in range(256)]
     assert tok.tokens[2:258] == b2c  # all 256 byte tokens
     vocab = set(tok.tokens)
     for m in tok.merges:  # every merge joins two known tokens into a known token
