@@ -1,0 +1,374 @@
+"""ds4-mlx custom kernels (installed as ``ds4_mlx.kernels``): write-once bodies for Metal and CUDA.
+
+Each kernel is one ``*.body`` file plus the shared ``ds_prelude.h`` (QUANTS.md §3.4). This module renders
+them for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, builds each kernel once per backend, validates
+inputs and picks grid and threadgroup. :class:`ds4_mlx.weights.QuantWeight` calls :func:`matmul` and
+:func:`gather_matmul` here when the backend is ``metal`` or ``cuda``.
+
+Kernels:
+- ``mv``: decode matvec for a few tokens, dense or expert-gathered (``mul_mv_id``): f32 activations, weights
+  decoded exactly in registers, f32 accumulation (QUANTS.md §2.5).
+- ``mm``: tiled prefill matmul, dense or expert-gathered (``mul_mm_id`` over a sorted pair list): bf16 tiles,
+  f32 accumulation (QUANTS.md §8 ruling 2).
+- Q8_0 2-D weights can instead run through MLX's own affine 8-bit kernels after a lossless repack
+  (``u = q + 128, scale = d, bias = -128 d``, QUANTS.md §4.3), see :func:`q8_0_affine`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+SOURCE_DIR = Path(__file__).resolve().parent
+
+#: Types the custom kernels handle (plain types need ``in % 32 == 0``).
+KERNEL_TYPES = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS, QT.F16, QT.BF16, QT.F32)
+
+#: Decode matvec tuning per type: (NR rows per simdgroup, NSG simdgroups per threadgroup).
+MV_CONFIG = {
+    QT.IQ2_XXS: (4, 2),
+    QT.Q2_K: (4, 2),
+    QT.Q4_K: (2, 2),
+    QT.Q8_0: (2, 4),
+    QT.F16: (2, 4),
+    QT.BF16: (2, 4),
+    QT.F32: (2, 4),
+}
+#: Token tile widths of the prefill kernel (dense and gathered).
+MM_BN_DENSE = 64
+MM_BN_GATHER = 32
+MM_BN_CHOICES = (16, 32, 64)
+#: Up to this many tokens, dense and gathered products use the matvec kernel.
+MV_MAX_TOKENS = 8
+
+INPUTS = {
+    "mv": ["w", "x", "ids", "params"],
+    "mm": ["w", "x", "ids", "tiles", "params"],
+}
+
+METAL_PROLOGUE = """\
+const uint3 ds_tg_id = threadgroup_position_in_grid;
+const uint32_t ds_tid = thread_index_in_threadgroup;
+const uint32_t ds_tg_threads = threads_per_threadgroup.x * threads_per_threadgroup.y * threads_per_threadgroup.z;
+const uint32_t ds_lane = thread_index_in_simdgroup;
+const uint32_t ds_simd = simdgroup_index_in_threadgroup;
+(void)ds_tg_threads; (void)ds_lane; (void)ds_simd; (void)ds_tid;
+"""
+
+CUDA_PROLOGUE = """\
+const uint3 ds_tg_id = blockIdx;
+const uint32_t ds_tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+const uint32_t ds_tg_threads = blockDim.x * blockDim.y * blockDim.z;
+const uint32_t ds_lane = ds_tid & 31u;
+const uint32_t ds_simd = ds_tid >> 5;
+(void)ds_tg_threads; (void)ds_lane; (void)ds_simd; (void)ds_tid;
+"""
+
+
+# --- rendering ----------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def iq2_grid_words() -> str:
+    """The IQ2_XXS grid from gguf-py as 512 u32 literals (lo, hi of each u64 word)."""
+    from ds4_mlx.quants import iq2xxs_grid_bytes
+
+    words = iq2xxs_grid_bytes().copy().view("<u4").reshape(-1)
+    return ", ".join(f"0x{int(w):08x}u" for w in words)
+
+
+def _read(name: str) -> str:
+    return (SOURCE_DIR / name).read_text()
+
+
+def render_header(backend: str) -> str:
+    """The kernel ``header``: backend define, IQ2 grid, then ds_prelude.h."""
+    define = {"metal": "#define DS_METAL\n", "cuda": "#define DS_CUDA\n"}[backend]
+    return f"{define}#define DS_IQ2_GRID_WORDS {iq2_grid_words()}\n{_read('ds_prelude.h')}"
+
+
+def render_source(kind: str, backend: str) -> str:
+    """The kernel ``source``: backend prologue (names the thread attributes) plus the shared body."""
+    prologue = {"metal": METAL_PROLOGUE, "cuda": CUDA_PROLOGUE}[backend]
+    return prologue + _read(f"{kind}.body")
+
+
+@lru_cache(maxsize=None)
+def get_kernel(kind: str, backend: str):
+    """Build kernel ``kind`` for ``backend`` once (MLX caches each template specialization)."""
+    header, source = render_header(backend), render_source(kind, backend)
+    if backend == "metal":
+        return mx.fast.metal_kernel(
+            name=f"ds_{kind}", input_names=INPUTS[kind], output_names=["y"], source=source, header=header
+        )
+    if backend == "cuda":
+        return mx.fast.cuda_kernel(
+            name=f"ds_{kind}", input_names=INPUTS[kind], output_names=["y"], source=source, header=header
+        )
+    raise ValueError(f"no kernels for backend {backend!r}")
+
+
+@dataclass(frozen=True)
+class Instantiation:
+    """One template specialization: what the compile checks build and the dispatcher launches."""
+
+    kind: str
+    template: tuple  # ((name, value), ...) in template order
+
+    @property
+    def tag(self) -> str:
+        return f"{self.kind}_" + "_".join(f"{k}{int(v)}" for k, v in self.template)
+
+
+def mv_template(qtype: QT, gather: bool) -> tuple:
+    nr, nsg = MV_CONFIG[QT(qtype)]
+    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)))
+
+
+def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
+    return (("QT", int(qtype)), ("BN", bn), ("GATHER", bool(gather)))
+
+
+def instantiations() -> list[Instantiation]:
+    """Every specialization the dispatcher can launch (the compile-check matrix)."""
+    out = []
+    for qt in KERNEL_TYPES:
+        for gather in (False, True):
+            out.append(Instantiation("mv", mv_template(qt, gather)))
+            for bn in MM_BN_CHOICES:
+                out.append(Instantiation("mm", mm_template(qt, bn, gather)))
+    return out
+
+
+_CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_t", "params": "int32_t"}
+
+
+def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
+    """CUDA text as MLX's cuda_kernel generates it (QUANTS.md §3.2), for an nvcc compile check.
+
+    MLX's ``utils.cuh`` include is replaced by the CUDA headers it brings in; several kernels share one unit
+    (the header is guarded per kernel by a namespace so repeated prelude definitions do not collide).
+    """
+    parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cooperative_groups.h>\n#include <mma.h>\n"]
+    for i, inst in enumerate(insts):
+        params = ", ".join(f"const {_CUDA_DTYPES[n]}* {n}" for n in INPUTS[inst.kind]) + ", float* y"
+        consts = "".join(
+            f"constexpr bool {k} = {'true' if v else 'false'};\n" if isinstance(v, bool) else f"constexpr int {k} = {v};\n"
+            for k, v in inst.template
+        )
+        parts.append(
+            f"namespace ds_tu{i} {{\n{render_header('cuda')}\n"
+            f"namespace mlx {{ namespace core {{ namespace cu {{ namespace cg = cooperative_groups;\n"
+            f"__global__ void custom_kernel_ds_{inst.tag}({params}) {{\n{consts}{render_source(inst.kind, 'cuda')}\n}}\n"
+            f"}}}}}}\n}}\n"
+        )
+    return "\n".join(parts)
+
+
+# --- dispatch -----------------------------------------------------------------------------------------------
+
+
+def _params(*vals: int) -> mx.array:
+    v = list(vals) + [0] * (8 - len(vals))
+    return mx.array(np.array(v, dtype=np.int32))
+
+
+def _pad_ids(ids: mx.array) -> mx.array:
+    """Kernel index inputs get ≥ 8 elements (Metal turns smaller inputs into `constant` pointers)."""
+    ids = ids.reshape(-1).astype(mx.int32)
+    return ids if ids.size >= 8 else mx.concatenate([ids, mx.zeros((8 - ids.size,), dtype=mx.int32)])
+
+
+_DUMMY = None
+
+
+def _dummy() -> mx.array:
+    global _DUMMY
+    if _DUMMY is None:
+        _DUMMY = mx.zeros((8,), dtype=mx.int32)
+    return _DUMMY
+
+
+def weight_bytes(qw) -> mx.array:
+    """The weight as uint8 ``(*shape[:-1], row_bytes)`` (plain types viewed as bytes)."""
+    b = qw._cache.get("bytes")
+    if b is None:
+        b = qw.data if qw.data.dtype == mx.uint8 else qw.data.view(mx.uint8)
+        qw._cache["bytes"] = b
+    return b
+
+
+def supports(qw) -> bool:
+    """Whether the custom kernels handle this weight (every block type; plain types with in % 32 == 0)."""
+    return qw.qtype in KERNEL_TYPES and qw.shape[-1] % 32 == 0
+
+
+def mv(qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None) -> mx.array:
+    """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out]."""
+    *_, n_out, n_in = qw.shape
+    wb = weight_bytes(qw)
+    gather = ids is not None
+    P = ids.size if gather else x2.shape[0]
+    nr, nsg = MV_CONFIG[qw.qtype]
+    per_slot = int(gather and x2.shape[0] == P and k_slots > 1)
+    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P)
+    kern = get_kernel("mv", backend)
+    groups = -(-n_out // (nr * nsg))
+    return kern(
+        inputs=[wb, x2, _pad_ids(ids) if gather else _dummy(), params],
+        template=list(mv_template(qw.qtype, gather)),
+        grid=(groups * 32 * nsg, 1, P),
+        threadgroup=(32 * nsg, 1, 1),
+        output_shapes=[(P, n_out)],
+        output_dtypes=[mx.float32],
+        init_value=init,  # tests pass NaN to catch unwritten outputs
+    )[0]
+
+
+def mm_dense(qw, x2: mx.array, backend: str, bn: int = MM_BN_DENSE, init=None) -> mx.array:
+    """Tiled matmul kernel: x2 [N, in] → [N, out]."""
+    n_out, n_in = qw.shape
+    wb = weight_bytes(qw)
+    N = x2.shape[0]
+    params = _params(n_in, n_out, wb.shape[-1], 1, 0, N)
+    return get_kernel("mm", backend)(
+        inputs=[wb, x2, _dummy(), _dummy(), params],
+        template=list(mm_template(qw.qtype, bn, False)),
+        grid=(-(-N // bn) * 128, -(-n_out // 64), 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(N, n_out)],
+        output_dtypes=[mx.float32],
+        init_value=init,  # tests pass NaN to catch unwritten outputs
+    )[0]
+
+
+def route_tiles(flat: mx.array, n_expert: int, bn: int) -> tuple[mx.array, mx.array]:
+    """Pairs sorted by expert and the token-tile list for ``mm_id`` (QUANTS.md §4.2), without a host sync.
+
+    Returns ``sorted_pairs`` int32 [P] and ``tiles`` int32 [T_max, 4] = (expert, first index, count, 0);
+    tiles past the real count have count 0. T_max = ⌈P/bn⌉ + min(E, P) bounds Σ_e ⌈count_e/bn⌉.
+    """
+    P = flat.size
+    flat = flat.astype(mx.int32)
+    order = mx.argsort(flat * P + mx.arange(P, dtype=mx.int32)).astype(mx.int32)  # unique keys: deterministic
+    counts = mx.zeros((n_expert,), dtype=mx.int32).at[flat].add(mx.ones((P,), dtype=mx.int32))
+    n_tiles = (counts + bn - 1) // bn
+    tile_end = mx.cumsum(n_tiles)
+    tile_start = tile_end - n_tiles
+    pair_off = mx.cumsum(counts) - counts
+    t_max = -(-P // bn) + min(n_expert, P)
+    t = mx.arange(t_max, dtype=mx.int32)
+    e = (tile_end[None, :] <= t[:, None]).astype(mx.int32).sum(axis=1)  # expert owning tile t (E if none)
+    ec = mx.minimum(e, n_expert - 1)
+    local = (t - tile_start[ec]) * bn
+    count = mx.where(e < n_expert, mx.clip(counts[ec] - local, 0, bn), 0)
+    tiles = mx.stack([ec, pair_off[ec] + local, count, mx.zeros_like(t)], axis=1).astype(mx.int32)
+    return order, tiles
+
+
+def mm_gather(
+    qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, bn: int = MM_BN_GATHER, init=None
+) -> mx.array:
+    """Expert-gathered tiled matmul: flat ids [P], x2 [P or P/k, in] → [P, out]."""
+    E, n_out, n_in = qw.shape
+    wb = weight_bytes(qw)
+    P = flat.size
+    order, tiles = route_tiles(flat, E, bn)
+    per_slot = int(x2.shape[0] == P and k_slots > 1)
+    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P)
+    return get_kernel("mm", backend)(
+        inputs=[wb, x2, _pad_ids(order), tiles.reshape(-1), params],
+        template=list(mm_template(qw.qtype, bn, True)),
+        grid=(tiles.shape[0] * 128, -(-n_out // 64), 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(P, n_out)],
+        output_dtypes=[mx.float32],
+        init_value=init,  # tests pass NaN to catch unwritten outputs
+    )[0]
+
+
+# --- lossless Q8_0 → MLX affine 8-bit (QUANTS.md §4.3, §8 ruling 1) ---------------------------------------
+
+
+def q8_0_affine(qw) -> tuple[mx.array, mx.array, mx.array]:
+    """Repack a Q8_0 weight for ``mx.quantized_matmul(bits=8, group_size=32)``: exact, values unchanged.
+
+    ``u = q XOR 0x80`` (= q + 128) packed LSB-first into uint32, ``scale = d``, ``bias = -128·d``. Params are
+    f16 (d and -128·d are exact in f16) unless some |d| ≥ 512, where -128·d would overflow: then f32.
+    """
+    cached = qw._cache.get("q8_affine")
+    if cached is not None:
+        return cached
+    *lead, n_out, n_in = qw.shape
+    nb = n_in // 32
+    blocks = qw.data.reshape(*lead, n_out, nb, 34)
+    u = (blocks[..., 2:] ^ 0x80).reshape(*lead, n_out, n_in)  # uint8 codes 0..255
+    wq = u.view(mx.uint32)  # (..., out, in/4): little-endian = LSB-first
+    d = blocks[..., :2].view(mx.float16).reshape(*lead, n_out, nb)
+    dtype = mx.float16 if float(mx.abs(d.astype(mx.float32)).max()) < 512 else mx.float32
+    scales = d.astype(dtype)
+    biases = (d.astype(mx.float32) * -128.0).astype(dtype)
+    mx.eval(wq, scales, biases)
+    qw._cache["q8_affine"] = (wq, scales, biases)
+    return wq, scales, biases
+
+
+def q8_mode() -> str:
+    """How 2-D Q8_0 weights run on GPU: ``affine`` (MLX repack, default) or ``custom`` ($DS4_MLX_Q8)."""
+    return os.environ.get("DS4_MLX_Q8", "affine").strip().lower()
+
+
+# --- entry points used by QuantWeight -------------------------------------------------------------------------
+
+
+def matmul(qw, x: mx.array, backend: str) -> mx.array:
+    """``x @ W.T`` on the GPU backends: x [..., in] → float32 [..., out]."""
+    lead = x.shape[:-1]
+    n_in = qw.shape[-1]
+    x2 = x.reshape(-1, n_in).astype(mx.float32)
+    N = x2.shape[0]
+    if N == 0:
+        return mx.zeros((*lead, qw.shape[0]), dtype=mx.float32)
+    if qw.qtype == QT.Q8_0 and q8_mode() == "affine":
+        wq, s, b = q8_0_affine(qw)
+        y = mx.quantized_matmul(x2, wq, s, b, transpose=True, group_size=32, bits=8).astype(mx.float32)
+    elif not supports(qw):
+        y = qw._fallback_matmul(x2)
+    elif N <= MV_MAX_TOKENS:
+        y = mv(qw, x2, backend)
+    else:
+        y = mm_dense(qw, x2, backend)
+    return y.reshape(*lead, qw.shape[0])
+
+
+def gather_matmul(qw, x: mx.array, ids: mx.array, backend: str) -> mx.array:
+    """Expert-gathered product on the GPU backends: returns float32 [N, k, out]."""
+    N, k = ids.shape
+    E, n_out, n_in = qw.shape
+    if N * k == 0:
+        return mx.zeros((N, k, n_out), dtype=mx.float32)
+    if not supports(qw):
+        return qw._fallback_gather_matmul(x, ids)
+    x2 = x.reshape(-1, n_in).astype(mx.float32)  # [N, in] shared or [N·k, in] per slot
+    flat = ids.reshape(-1).astype(mx.int32)
+    if N <= MV_MAX_TOKENS:
+        y = mv(qw, x2, backend, ids=flat, k_slots=k)
+    else:
+        y = mm_gather(qw, x2, flat, k, backend)
+    return y.reshape(N, k, n_out)
+
+
+def source_digest() -> str:
+    """Hash of every kernel source file (for benchmark records)."""
+    h = hashlib.sha256()
+    for p in sorted(SOURCE_DIR.glob("*")):
+        if p.suffix in (".h", ".body"):
+            h.update(p.read_bytes())
+    return h.hexdigest()[:12]

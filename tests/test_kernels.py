@@ -1,0 +1,219 @@
+"""Custom kernels (ds4_mlx.kernels) vs gguf-py dequant + float64 matmul (QUANTS.md §5.3).
+
+The CPU-runnable parts (routing map, lossless Q8_0 repack) run in CI. The kernel runs need a GPU backend
+(Metal or CUDA) and are skipped otherwise; ``benchmarks/gpu_check.py`` runs this file on the H200.
+"""
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from ds4_mlx import quants, weights
+from ds4_mlx.weights import QuantWeight, _kernels
+
+kernels = _kernels()
+
+F32_TOL = 1e-6  # decode kernels: exact weights, f32 activations and accumulation
+BF16_TOL = 4e-3  # prefill: bf16 weights and activations (each rounding ≤ 2^-9), f32 accumulation
+BF16_EMU_TOL = 2e-5  # prefill vs a float64 product of the same bf16-rounded operands: only f32 accumulation
+
+
+def _gpu_backend() -> str:
+    weights.set_kernel_backend(None)
+    try:
+        return weights.kernel_backend()
+    except Exception:
+        return "fallback"
+
+
+BACKEND = _gpu_backend()
+needs_gpu = pytest.mark.skipif(BACKEND == "fallback", reason="no Metal/CUDA backend here: kernels not run")
+
+
+def make_weight(rng, qt: QT, shape):
+    if qt in quants.BLOCK_TYPES:
+        raw = quants.random_blocks(rng, qt, shape)
+        ref = gguf.quants.dequantize(raw, qt)
+    else:
+        x = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+        raw = {QT.F32: x, QT.F16: x.astype(np.float16), QT.BF16: (x.view(np.uint32) >> 16).astype(np.uint16)}[qt]
+        ref = gguf.quants.dequantize(raw.view(np.uint8) if qt == QT.BF16 else raw, qt).reshape(shape)
+    return QuantWeight.from_numpy(raw, qt, shape), ref.astype(np.float32)
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """Round f32 → bf16 (RNE) → f32, as the prefill tiles do."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+def rel_err(y, x, w, spec) -> float:
+    y64 = np.einsum(spec, x.astype(np.float64), w.astype(np.float64))
+    scale = np.einsum(spec, np.abs(x.astype(np.float64)), np.abs(w.astype(np.float64)))
+    return float(np.max(np.abs(y.astype(np.float64) - y64) / scale))
+
+
+def n_in_for(qt):
+    return 768 if qt in (QT.Q2_K, QT.Q4_K, QT.IQ2_XXS) else 352
+
+
+# --- CPU-runnable ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bn", [16, 32])
+@pytest.mark.parametrize(
+    "ids",
+    [np.array([[5, 1, 5, 9, 0, 15]] * 7), np.full((40, 6), 3), np.arange(6 * 31).reshape(31, 6) % 16, np.zeros((1, 1))],
+    ids=["repeated", "one_expert", "spread", "single"],
+)
+def test_route_tiles(ids, bn):
+    E = 16
+    flat = ids.reshape(-1).astype(np.int32)
+    order, tiles = kernels.route_tiles(mx.array(flat), E, bn)
+    order, tiles = np.array(order), np.array(tiles)
+    P = flat.size
+    assert sorted(order.tolist()) == list(range(P))
+    assert np.all(np.diff(flat[order]) >= 0)  # grouped by expert
+    assert tiles.shape == (-(-P // bn) + min(E, P), 4)
+    seen = []
+    for e, start, count, _ in tiles:
+        assert 0 <= count <= bn
+        if count:
+            pairs = order[start : start + count]
+            assert np.all(flat[pairs] == e)
+            seen += pairs.tolist()
+    assert sorted(seen) == list(range(P))  # every pair in exactly one tile
+
+
+def test_q8_0_affine_repack_is_exact():
+    rng = np.random.default_rng(20)
+    w, ref = make_weight(rng, QT.Q8_0, (48, 256))
+    b = np.array(w.data).reshape(-1, 34)
+    b[:3, :2] = np.array([0.0, -0.03125, 2.0**-20], dtype=np.float16).view(np.uint8).reshape(3, 2)
+    b[3, 2:] = 0x80  # q = -128
+    w = QuantWeight.from_numpy(b.reshape(48, -1), QT.Q8_0, (48, 256))
+    ref = gguf.quants.dequantize(np.array(w.data), QT.Q8_0)
+    wq, s, bias = kernels.q8_0_affine(w)
+    assert s.dtype == mx.float16 and wq.shape == (48, 64)
+    deq = mx.dequantize(wq, s.astype(mx.float32), bias.astype(mx.float32), group_size=32, bits=8)
+    np.testing.assert_array_equal(np.array(deq), ref)  # values equal (±0 compare equal)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    y = mx.quantized_matmul(mx.array(x), wq, s, bias, transpose=True, group_size=32, bits=8)
+    assert y.dtype == mx.float32
+    assert rel_err(np.array(y), x, ref, "ni,oi->no") <= 1e-5
+
+
+def test_q8_0_affine_large_scales_use_f32_params():
+    b = quants.random_blocks(np.random.default_rng(21), QT.Q8_0, (4, 64))
+    b[0, :2] = np.array([1024.0], dtype=np.float16).view(np.uint8)  # -128·d overflows f16
+    w = QuantWeight.from_numpy(b, QT.Q8_0, (4, 64))
+    wq, s, bias = kernels.q8_0_affine(w)
+    assert s.dtype == mx.float32
+    deq = mx.dequantize(wq, s, bias, group_size=32, bits=8)
+    np.testing.assert_array_equal(np.array(deq), gguf.quants.dequantize(b, QT.Q8_0))
+
+
+# --- GPU kernels --------------------------------------------------------------------------------------------
+
+NAN = float("nan")
+ALL = kernels.KERNEL_TYPES
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
+@pytest.mark.parametrize("N", [1, 2, 5, 8])
+def test_mv_dense(qt, N):
+    rng = np.random.default_rng(int(qt) * 100 + N)
+    w, ref = make_weight(rng, qt, (75, n_in_for(qt)))
+    x = rng.standard_normal((N, w.shape[1])).astype(np.float32)
+    y = np.array(kernels.mv(w, mx.array(x), BACKEND, init=NAN))
+    assert y.shape == (N, 75) and not np.isnan(y).any()
+    assert rel_err(y, x, ref, "ni,oi->no") <= F32_TOL
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
+@pytest.mark.parametrize("N,bn", [(9, 64), (33, 64), (100, 32), (512, 64), (17, 16)])
+def test_mm_dense(qt, N, bn):
+    rng = np.random.default_rng(int(qt) * 1000 + N)
+    w, ref = make_weight(rng, qt, (75, n_in_for(qt)))
+    x = rng.standard_normal((N, w.shape[1])).astype(np.float32)
+    y = np.array(kernels.mm_dense(w, mx.array(x), BACKEND, bn=bn, init=NAN))
+    assert y.shape == (N, 75) and not np.isnan(y).any()
+    assert rel_err(y, x, ref, "ni,oi->no") <= BF16_TOL
+    assert rel_err(y, bf16(x), bf16(ref), "ni,oi->no") <= BF16_EMU_TOL
+
+
+GATHER_CASES = {
+    "decode1": lambda rng: rng.integers(0, 16, (1, 6)),
+    "decode4_repeat": lambda rng: np.array([[3, 3, 0, 15, 7, 3]] * 4),
+    "n9": lambda rng: rng.integers(0, 16, (9, 6)),
+    "n31": lambda rng: rng.integers(0, 16, (31, 6)),
+    "n32": lambda rng: rng.integers(0, 16, (32, 6)),
+    "n33_unhit": lambda rng: rng.integers(0, 5, (33, 6)) * 3,  # experts 1, 2, 4, ... never hit
+    "n40_one_expert": lambda rng: np.full((40, 6), 15),
+    "n512": lambda rng: rng.integers(0, 16, (512, 6)),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt", [QT.IQ2_XXS, QT.Q2_K, QT.Q4_K, QT.Q8_0, QT.F16], ids=lambda q: q.name)
+@pytest.mark.parametrize("case", list(GATHER_CASES))
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_gather(qt, case, per_slot):
+    rng = np.random.default_rng(int(qt) * 7 + len(case))
+    E, out = 16, 75
+    w, ref = make_weight(rng, qt, (E, out, n_in_for(qt)))
+    ids = GATHER_CASES[case](rng).astype(np.int32)
+    N, k = ids.shape
+    x = rng.standard_normal((N, k, w.shape[2]) if per_slot else (N, w.shape[2])).astype(np.float32)
+    x2 = mx.array(x.reshape(-1, w.shape[2]))
+    flat = mx.array(ids.reshape(-1))
+    if N <= kernels.MV_MAX_TOKENS:
+        y = kernels.mv(w, x2, BACKEND, ids=flat, k_slots=k, init=NAN)
+        tol, emu = F32_TOL, False
+    else:
+        y = kernels.mm_gather(w, x2, flat, k, BACKEND, init=NAN)
+        tol, emu = BF16_TOL, True
+    y = np.array(y).reshape(N, k, out)
+    assert not np.isnan(y).any()
+    xs = x if per_slot else np.broadcast_to(x[:, None], (N, k, w.shape[2]))
+    assert rel_err(y, xs, ref[ids], "nki,nkoi->nko") <= tol
+    if emu:
+        assert rel_err(y, bf16(xs), bf16(ref)[ids], "nki,nkoi->nko") <= BF16_EMU_TOL
+    # pair-major order and the public entry point agree
+    y2 = np.array(w.gather_matmul(mx.array(x), mx.array(ids)))
+    np.testing.assert_array_equal(y2, y)
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
+@pytest.mark.parametrize("N", [1, 3, 40])
+def test_quantweight_matmul_dispatch(qt, N):
+    """QuantWeight.matmul on the GPU backend (custom kernels, or the Q8_0 affine repack)."""
+    rng = np.random.default_rng(int(qt) + 5 * N)
+    w, ref = make_weight(rng, qt, (130, n_in_for(qt)))
+    x = rng.standard_normal((N, w.shape[1])).astype(np.float32)
+    weights.set_kernel_backend(None)
+    y = np.array(w.matmul(mx.array(x)))
+    tol = F32_TOL if N <= kernels.MV_MAX_TOKENS else BF16_TOL
+    if qt == QT.Q8_0 and kernels.q8_mode() == "affine":
+        tol = 1e-5
+    assert rel_err(y, x, ref, "ni,oi->no") <= tol
+    weights.set_kernel_backend("fallback")
+    yf = np.array(w.matmul(mx.array(x)))
+    weights.set_kernel_backend(None)
+    assert rel_err(yf, x, ref, "ni,oi->no") <= F32_TOL
+
+
+@needs_gpu
+def test_warp_is_32_lanes():
+    """The prologue assumes 32-lane simdgroups/warps (QUANTS.md §3.4): a 1-unit row summed by lane 0..31."""
+    rng = np.random.default_rng(9)
+    w, ref = make_weight(rng, QT.F32, (4, 32 * 64))
+    x = rng.standard_normal((1, 32 * 64)).astype(np.float32)
+    y = np.array(kernels.mv(w, mx.array(x), BACKEND, init=NAN))
+    assert rel_err(y, x, ref, "ni,oi->no") <= F32_TOL
