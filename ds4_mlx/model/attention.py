@@ -1,0 +1,227 @@
+"""The attention sublayer of one layer (MODEL.md §4.4, §4.11) and its per-layer cache (§5.1).
+
+    n  = rms(x) * attn_norm
+    qr = rms(attn_q_a @ n) * attn_q_a_norm ;  q = headrms(attn_q_b @ qr)          [T, H, D]
+    kv = rms(attn_kv @ n) * attn_kv_a_norm                                        [T, D]  (K = V)
+    rope(q, kv) ; kv = f16r(fp8(kv)) -> raw window
+    ratio r > 0: compressor(n) -> compressed rows;  ratio 4: indexer picks top-k of them per query
+    o  = softmax_with_sink(q . keys / sqrt(D)) @ keys ;  inverse rope(o)
+    y  = attn_output_b @ blockdiag(attn_output_a) o                               [T, E]
+
+A call takes T consecutive tokens (T = 1 decode, T > 1 a prefill chunk) and is equivalent to T decode
+steps: keys are the carried raw rows plus the chunk's rows under a banded causal mask, compressed row c
+is visible to the query at p iff ``c < (p+1)//r``, and each query runs the indexer over its own visible
+prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import ModelConfig
+from ..numerics import Numerics, get_numerics, kv_row
+from .compressor import Compressor, CompressorState
+from .indexer import Indexer, select_top_k, selected_indices
+from .rope import Rope, apply_rope
+
+# Grouped output projection: below this many (token, group) pairs use one matmul against the whole
+# attn_output_a and keep the diagonal blocks (one op, weights read once); above it, one matmul per group.
+GROUPED_FULL_MAX_ROWS = 64
+
+
+@dataclass
+class LayerCache:
+    """One layer's attention state (MODEL.md §5.1). Arrays are never mutated in place, only replaced."""
+
+    ratio: int
+    pos: int  # tokens consumed so far (= position of the next token)
+    raw: mx.array  # [min(pos, n_swa), D]  last raw KV rows, logical (position) order
+    comp: mx.array | None = None  # [capacity, D]  compressed rows; the first n_comp are valid
+    n_comp: int = 0
+    comp_state: CompressorState | None = None  # attention compressor frontier (f32)
+    index: mx.array | None = None  # [capacity, 128]  indexer compressed rows (ratio 4)
+    n_index: int = 0
+    index_state: CompressorState | None = None  # indexer compressor frontier (f32)
+
+    @property
+    def n_raw(self) -> int:
+        return self.raw.shape[0]
+
+    @property
+    def comp_rows(self) -> mx.array | None:
+        return None if self.comp is None else self.comp[: self.n_comp]
+
+    @property
+    def index_rows(self) -> mx.array | None:
+        return None if self.index is None else self.index[: self.n_index]
+
+    def snapshot(self) -> "LayerCache":
+        """An independent copy (cheap: MLX arrays are immutable and the cache only ever rebinds them)."""
+        return replace(self)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.raw, self.comp, self.index]
+        states = [self.comp_state, self.index_state]
+        return sum(a.nbytes for a in arrays if a is not None) + sum(s.nbytes for s in states if s is not None)
+
+
+def make_layer_cache(cfg: ModelConfig, il: int) -> LayerCache:
+    """An empty cache for layer ``il``."""
+    r = cfg.compress_ratio(il)
+    cache = LayerCache(ratio=r, pos=0, raw=mx.zeros((0, cfg.head_dim), mx.float32))
+    if r:
+        cache.comp = mx.zeros((0, cfg.head_dim), mx.float32)
+        cache.comp_state = CompressorState.init(r, cfg.head_dim)
+    if cfg.has_indexer(il):
+        cache.index = mx.zeros((0, cfg.indexer_head_dim), mx.float32)
+        cache.index_state = CompressorState.init(4, cfg.indexer_head_dim)
+    return cache
+
+
+def _append_rows(buf: mx.array, n: int, rows: mx.array | None) -> tuple[mx.array, int]:
+    """Write ``rows`` after the first ``n`` rows of a capacity buffer (grown by doubling)."""
+    if rows is None:
+        return buf, n
+    k = rows.shape[0]
+    if buf.shape[0] < n + k:
+        cap = max(2 * buf.shape[0], n + k, 16)
+        buf = mx.concatenate([buf[:n], mx.zeros((cap - n, buf.shape[1]), buf.dtype)])
+    return mx.slice_update(buf, rows.astype(buf.dtype), mx.array([n]), axes=(0,)), n + k
+
+
+class Attention:
+    """Attention sublayer of layer ``il``; ``weights`` is the flat dict keyed by GGUF tensor names."""
+
+    def __init__(self, cfg: ModelConfig, il: int, weights: dict, numerics: Numerics | str | None = None):
+        self.cfg, self.il = cfg, il
+        self.numerics = get_numerics(numerics)
+        self.ratio = cfg.compress_ratio(il)
+        self.n_head, self.head_dim, self.nope = cfg.n_head, cfg.head_dim, cfg.nope_dim
+        self.n_group, self.o_lora = cfg.n_out_group, cfg.o_lora_rank
+        self.n_swa, self.eps, self.scale = cfg.n_swa, cfg.rms_eps, cfg.attn_scale
+        self.rope = Rope.for_layer(cfg, il, recurrence=self.numerics.rope_recurrence)
+
+        p = f"blk.{il}."
+        self.attn_norm = weights[p + "attn_norm.weight"]  # [E]
+        self.attn_q_a = weights[p + "attn_q_a.weight"]  # [q_lora, E]
+        self.attn_q_a_norm = weights[p + "attn_q_a_norm.weight"]  # [q_lora]
+        self.attn_q_b = weights[p + "attn_q_b.weight"]  # [H*D, q_lora]
+        self.attn_kv = weights[p + "attn_kv.weight"]  # [D, E]
+        self.attn_kv_a_norm = weights[p + "attn_kv_a_norm.weight"]  # [D]
+        self.attn_sinks = weights[p + "attn_sinks.weight"]  # [H]
+        self.attn_output_a = weights[p + "attn_output_a.weight"]  # [G*o_lora, (H/G)*D]
+        self.attn_output_b = weights[p + "attn_output_b.weight"]  # [E, G*o_lora]
+        self._output_a_groups: list | None = None
+
+        self.compressor = self.indexer = None
+        if self.ratio:
+            self.compressor = Compressor(
+                cfg, il, weights, "attn_compressor", self.head_dim, self.ratio, self.rope,
+                lambda c: kv_row(c, self.numerics, self.nope),
+            )  # fmt: skip
+        if cfg.has_indexer(il):
+            self.indexer = Indexer(cfg, il, weights, self.numerics, self.rope)
+
+    # --- the sublayer -----------------------------------------------------------------------------------
+
+    def __call__(self, x: mx.array, pos: int, cache: LayerCache) -> mx.array:
+        """``x [T, E]`` (HC-pre output at positions ``pos..pos+T-1``) -> ``y [T, E]``; updates ``cache``."""
+        if pos != cache.pos:
+            raise ValueError(f"layer {self.il}: cache holds {cache.pos} tokens, got a chunk at position {pos}")
+        T = x.shape[0]
+        H, D, W, r = self.n_head, self.head_dim, self.n_swa, self.ratio
+        positions = pos + np.arange(T)
+
+        n = mx.fast.rms_norm(x, self.attn_norm, self.eps)  # [T, E]
+        qr = mx.fast.rms_norm(self.attn_q_a.matmul(n), self.attn_q_a_norm, self.eps)  # [T, q_lora]
+        q = mx.fast.rms_norm(self.attn_q_b.matmul(qr).reshape(T, H, D), None, self.eps)  # [T, H, D]
+        kv = mx.fast.rms_norm(self.attn_kv.matmul(n), self.attn_kv_a_norm, self.eps)  # [T, D]
+
+        C, S = self.rope.tables(positions, D)  # [T, D] each
+        q = apply_rope(q, C[:, None, :], S[:, None, :])
+        kv = kv_row(apply_rope(kv, C, S), self.numerics, self.nope)
+
+        # Raw window: the last W-1 carried rows + the chunk's rows; query p sees positions p-W+1 .. p.
+        keep = min(cache.n_raw, W - 1)
+        raw_keys = mx.concatenate([cache.raw[cache.n_raw - keep :], kv]) if keep else kv  # [keep+T, D]
+        raw_mask = None
+        if T > 1:
+            pk = pos - keep + np.arange(keep + T)  # key positions
+            pq = positions[:, None]
+            raw_mask = (pk[None, :] <= pq) & (pk[None, :] > pq - W)  # [T, keep+T]
+
+        comp_keys, comp_mask = None, None  # comp_mask: None (all visible), np or mx bool [T, Nc]
+        if r:
+            rows, cache.comp_state = self.compressor(n, pos, cache.comp_state)
+            cache.comp, cache.n_comp = _append_rows(cache.comp, cache.n_comp, rows)
+            n_visible = (positions + 1) // r  # per query: compressed rows c < (p+1)//r
+            if self.indexer is not None:
+                irows, cache.index_state = self.indexer.compressor(n, pos, cache.index_state)
+                cache.index, cache.n_index = _append_rows(cache.index, cache.n_index, irows)
+            if cache.n_comp:
+                comp_keys = cache.comp_rows
+                if self.indexer is not None and n_visible.max() > self.indexer.top_k:
+                    k = self.indexer.top_k
+                    scores = self.indexer.scores(qr, n, pos, cache.index_rows)  # [T, Nc]
+                    sel = select_top_k(scores, n_visible, k)  # [T, Nc]
+                    if T == 1:  # decode: attend to the k selected rows only
+                        comp_keys = comp_keys[selected_indices(sel, k)[0]]  # [k, D]
+                    else:
+                        comp_mask = sel
+                elif T > 1 and n_visible.min() < cache.n_comp:
+                    comp_mask = np.arange(cache.n_comp)[None, :] < n_visible[:, None]
+
+        keys = raw_keys if comp_keys is None else mx.concatenate([raw_keys, comp_keys])  # [M, D]
+        mask = None
+        if raw_mask is not None or comp_mask is not None:
+            parts = [mx.array(raw_mask) if raw_mask is not None else mx.ones((T, raw_keys.shape[0]), mx.bool_)]
+            if comp_keys is not None:
+                parts.append(
+                    mx.ones((T, comp_keys.shape[0]), mx.bool_) if comp_mask is None else mx.array(comp_mask)
+                )
+            mask = mx.concatenate(parts, axis=1)  # [T, M]
+
+        o = self._attend(q, keys, mask)  # [T, H, D]
+        o = apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
+        y = self.attn_output_b.matmul(self._grouped_output_a(o))  # [T, E]
+
+        cache.raw = raw_keys[-W:] if raw_keys.shape[0] > W else raw_keys
+        cache.pos = pos + T
+        return y
+
+    def _attend(self, q: mx.array, keys: mx.array, mask: mx.array | None) -> mx.array:
+        """Softmax attention with a per-head sink logit in the denominator; K = V = ``keys [M, D]``."""
+        T, H, _ = q.shape
+        s = (q @ keys.T) * self.scale  # [T, H, M]
+        if mask is not None:
+            s = mx.where(mask[:, None, :], s, -mx.inf)
+        sink = mx.broadcast_to(self.attn_sinks[None, :, None], (T, H, 1))
+        p = mx.softmax(mx.concatenate([sink, s], axis=-1), axis=-1)[..., 1:]  # the sink carries no value
+        return p @ keys  # [T, H, D]
+
+    def _grouped_output_a(self, o: mx.array) -> mx.array:
+        """``low [T, G*o_lora]``: group g (heads g*H/G ..) times its own o_lora rows of attn_output_a."""
+        T = o.shape[0]
+        G, L = self.n_group, self.o_lora
+        og = o.reshape(T, G, -1)  # [T, G, (H/G)*D]
+        if T * G <= GROUPED_FULL_MAX_ROWS:
+            full = self.attn_output_a.matmul(og).reshape(T, G, G, L)  # every group x every row block
+            diag = mx.arange(G).reshape(1, G, 1, 1)
+            low = mx.take_along_axis(full, diag, axis=2)  # [T, G, 1, L]
+        else:
+            low = mx.stack([w.matmul(og[:, g]) for g, w in enumerate(self._groups())], axis=1)  # [T, G, L]
+        return low.reshape(T, G * L)
+
+    def _groups(self) -> list:
+        """attn_output_a split into its G row blocks (views of the same bytes), built on first use."""
+        if self._output_a_groups is None:
+            w, L = self.attn_output_a, self.o_lora
+            cls = type(w)
+            self._output_a_groups = [
+                cls(w.data[g * L : (g + 1) * L], w.qtype, (L, w.shape[1])) for g in range(self.n_group)
+            ]
+        return self._output_a_groups

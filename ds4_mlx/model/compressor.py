@@ -1,0 +1,133 @@
+"""KV compressor (MODEL.md §4.6): gated softmax pooling of every ``r`` tokens into one cached row.
+
+The same algorithm serves the attention compressor (``attn_compressor_*``, ``hd = head_dim``) and the
+indexer compressor (``indexer_compressor_*``, ``hd = indexer_head_dim``). Ratio-4 layers use two
+overlapping lanes (``coff = 2``): a window's row pools lane A of the previous window's 4 tokens together
+with lane B of its own 4 tokens; ratio-R layers pool their R tokens (``coff = 1``).
+
+The frontier keeps ds4's layout (``compressor_decode_one()``): ``kv``/``score`` ``[coff*r, coff*hd]`` in f32;
+for ratio 4 rows 0..3 hold the previous complete window and rows 4..7 the current one, for ratio R rows
+0..R-1 hold the current window. Unwritten rows are kv = 0, score = NEG (ds4's canonical state).
+
+A chunk of T tokens is processed in one go: the partial window in the frontier is prepended to the
+chunk's rows, every window completed inside the chunk is pooled at once, and the remainder becomes the
+new frontier. T = 1 is the decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import ModelConfig
+from .rope import Rope, apply_rope
+
+NEG = -1.0e30  # ds4's "minus infinity" for scores
+
+
+@dataclass(frozen=True)
+class CompressorState:
+    """The f32 frontier of one compressor (never rounded)."""
+
+    kv: mx.array  # [coff*r, coff*hd]
+    score: mx.array  # [coff*r, coff*hd]
+
+    @classmethod
+    def init(cls, ratio: int, hd: int) -> "CompressorState":
+        coff = 2 if ratio == 4 else 1
+        shape = (coff * ratio, coff * hd)
+        return cls(mx.zeros(shape, mx.float32), mx.full(shape, NEG, mx.float32))
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.score.nbytes
+
+
+class Compressor:
+    """One compressor's weights and its step; ``prefix`` is ``"attn_compressor"`` or ``"indexer_compressor"``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        il: int,
+        weights: dict,
+        prefix: str,
+        hd: int,
+        ratio: int,
+        rope: Rope,
+        finish_row: Callable[[mx.array], mx.array],
+    ):
+        self.ratio, self.hd = ratio, hd
+        self.coff = 2 if ratio == 4 else 1
+        self.width = self.coff * hd
+        self.eps = cfg.rms_eps
+        self.rope = rope
+        self.finish_row = finish_row  # FP8 or QAT, then f16r, as the numeric profile says
+        p = f"blk.{il}.{prefix}"
+        self.wkv = weights[f"{p}_kv.weight"]  # QuantWeight [coff*hd, E]
+        self.wgate = weights[f"{p}_gate.weight"]  # QuantWeight [coff*hd, E]
+        self.ape = weights[f"{p}_ape.weight"].dequantize()  # [r, coff*hd] f32, dequantized once
+        self.norm = weights[f"{p}_norm.weight"]  # [hd]
+        if tuple(self.ape.shape) != (ratio, self.width):
+            raise ValueError(f"{p}_ape: shape {self.ape.shape}, expected {(ratio, self.width)}")
+
+    def init_state(self) -> CompressorState:
+        return CompressorState.init(self.ratio, self.hd)
+
+    def __call__(self, n: mx.array, pos: int, state: CompressorState) -> tuple[mx.array | None, CompressorState]:
+        """Feed ``n [T, E]`` (attn-normed inputs at positions ``pos..pos+T-1``).
+
+        Returns ``(rows, new_state)``: ``rows [nw, hd]`` are the finished rows of the windows completed in
+        this chunk (in order; ``None`` if none), already normed, RoPE'd at their window start and rounded.
+        """
+        r, hd, w = self.ratio, self.hd, self.width
+        T = n.shape[0]
+        kv_cur = self.wkv.matmul(n)  # [T, w]
+        sc_cur = self.wgate.matmul(n) + self._ape_rows(pos, T)  # [T, w]
+
+        cur0 = r if self.coff == 2 else 0  # first frontier row of the current window
+        k = pos % r  # tokens of the current window already in the frontier
+        seq_kv = mx.concatenate([state.kv[cur0 : cur0 + k], kv_cur]) if k else kv_cur  # [k+T, w]
+        seq_sc = mx.concatenate([state.score[cur0 : cur0 + k], sc_cur]) if k else sc_cur
+        nw = (pos + T) // r - pos // r  # windows completed inside this chunk
+
+        rows = None
+        if nw:
+            win_kv = seq_kv[: nw * r].reshape(nw, r, w)
+            win_sc = seq_sc[: nw * r].reshape(nw, r, w)
+            if self.coff == 2:
+                # lane A of the previous window (frontier rows 0..3 for the first one) + lane B of this one
+                prev_kv = mx.concatenate([state.kv[None, :r], win_kv[:-1]]) if nw > 1 else state.kv[None, :r]
+                prev_sc = mx.concatenate([state.score[None, :r], win_sc[:-1]]) if nw > 1 else state.score[None, :r]
+                ent_kv = mx.concatenate([prev_kv[..., :hd], win_kv[..., hd:]], axis=1)  # [nw, 2r, hd]
+                ent_sc = mx.concatenate([prev_sc[..., :hd], win_sc[..., hd:]], axis=1)
+            else:
+                ent_kv, ent_sc = win_kv, win_sc  # [nw, r, hd]
+            pooled = (mx.softmax(ent_sc, axis=1) * ent_kv).sum(axis=1)  # [nw, hd]
+            c = mx.fast.rms_norm(pooled, self.norm, self.eps)
+            starts = (pos // r + np.arange(nw)) * r  # RoPE at each window's first position
+            C, S = self.rope.tables(starts, hd)
+            rows = self.finish_row(apply_rope(c, C, S))
+
+        rem = (pos + T) % r  # tokens of the new partial window
+        cur_kv, cur_sc = seq_kv[nw * r :], seq_sc[nw * r :]  # [rem, w]
+        cur_kv = mx.concatenate([cur_kv, mx.zeros((r - rem, w), mx.float32)])  # unwritten rows: 0 / NEG
+        cur_sc = mx.concatenate([cur_sc, mx.full((r - rem, w), NEG, mx.float32)])
+        if self.coff == 2:
+            prev_kv = win_kv[-1] if nw else state.kv[:r]
+            prev_sc = win_sc[-1] if nw else state.score[:r]
+            cur_kv = mx.concatenate([prev_kv, cur_kv])
+            cur_sc = mx.concatenate([prev_sc, cur_sc])
+        return rows, CompressorState(cur_kv, cur_sc)
+
+    def _ape_rows(self, pos: int, T: int) -> mx.array:
+        """``ape[p mod r]`` for p in pos..pos+T-1 -> ``[T, w]``."""
+        r = self.ratio
+        if T == 1:
+            return self.ape[pos % r : pos % r + 1]
+        if pos % r == 0 and T % r == 0:
+            return mx.tile(self.ape, (T // r, 1))
+        return self.ape[mx.array((pos + np.arange(T)) % r, dtype=mx.int32)]

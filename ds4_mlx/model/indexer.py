@@ -1,0 +1,74 @@
+"""Lightning indexer of ratio-4 layers (MODEL.md §4.7): picks which compressed rows a query attends to.
+
+    iq      = QAT(rope(indexer.attn_q_b @ qr))          [H_i, 128]
+    w       = (indexer.proj @ n) / sqrt(128 * H_i)        [H_i]
+    score_c = sum_h w_h * relu(K_c . iq_h)               over the visible rows c < (p+1)//4
+
+and the top-k rows by (score descending, index ascending) are selected; ds4 breaks ties by the lower index
+(``indexer_allowed_decode_one()``). MLX documents no tie order for ``topk``/``argpartition``, so the
+selection is built from the k-th largest *value* (a multiset, order-free) plus an explicit cumulative
+count of the ties. When a query sees ``<= top_k`` rows, all of them are visible and nothing is scored.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import ModelConfig
+from ..numerics import Numerics, indexer_query, indexer_row
+from .compressor import Compressor
+from .rope import Rope, apply_rope
+
+
+class Indexer:
+    """Indexer weights of layer ``il``: its own compressor (128-wide rows) plus the query/weight projections."""
+
+    def __init__(self, cfg: ModelConfig, il: int, weights: dict, numerics: Numerics, rope: Rope):
+        self.n_head, self.head_dim, self.top_k = cfg.n_indexer_head, cfg.indexer_head_dim, cfg.indexer_top_k
+        self.numerics, self.rope = numerics, rope
+        self.wq_b = weights[f"blk.{il}.indexer.attn_q_b.weight"]  # [H_i*128, q_lora]
+        self.wproj = weights[f"blk.{il}.indexer.proj.weight"]  # [H_i, E]
+        self.scale = 1.0 / math.sqrt(self.head_dim * self.n_head)
+        self.compressor = Compressor(
+            cfg, il, weights, "indexer_compressor", self.head_dim, 4, rope, lambda c: indexer_row(c, numerics)
+        )
+
+    def scores(self, qr: mx.array, n: mx.array, pos: int, keys: mx.array) -> mx.array:
+        """``score [T, N]`` of the indexer rows ``keys [N, 128]`` for queries at ``pos..pos+T-1``."""
+        T = qr.shape[0]
+        iq = self.wq_b.matmul(qr).reshape(T, self.n_head, self.head_dim)  # [T, H_i, 128]
+        C, S = self.rope.tables(pos + np.arange(T), self.head_dim)
+        iq = indexer_query(apply_rope(iq, C[:, None, :], S[:, None, :]), self.numerics)
+        w = self.wproj.matmul(n) * self.scale  # [T, H_i]
+        dots = mx.maximum(iq @ keys.T, 0.0)  # [T, H_i, N]
+        return (w[:, None, :] @ dots)[:, 0, :]  # [T, N]
+
+
+def select_top_k(scores: mx.array, n_visible: np.ndarray, k: int) -> mx.array:
+    """Boolean ``[T, N]``: per query, the top ``k`` of its first ``n_visible[t]`` rows, ties to the lower index.
+
+    Rows beyond ``n_visible`` are never selected; a query with ``n_visible <= k`` gets all its rows.
+    """
+    T, N = scores.shape
+    c = mx.arange(N)[None, :]
+    visible = c < mx.array(np.asarray(n_visible).reshape(T, 1), dtype=mx.int32)  # [T, N]
+    if N <= k:
+        return visible
+    s = mx.where(visible, scores, -mx.inf)
+    kth = mx.topk(s, k, axis=-1).min(axis=-1, keepdims=True)  # k-th largest value: order-free   [T, 1]
+    above = s > kth
+    tie = s == kth
+    need = k - above.sum(axis=-1, keepdims=True)  # how many ties still fit
+    take_tie = tie & (mx.cumsum(tie.astype(mx.int32), axis=-1) <= need)  # lowest indices first
+    return visible & (above | take_tie)
+
+
+def selected_indices(mask: mx.array, k: int) -> mx.array:
+    """The ``k`` selected row indices of a ``[T, N]`` mask with exactly ``k`` True per row, ascending."""
+    N = mask.shape[-1]
+    c = mx.arange(N)[None, :]
+    key = mx.where(mask, c, N + c)  # distinct keys: the selected rows are the k smallest
+    return mx.sort(mx.argpartition(key, k - 1, axis=-1)[:, :k], axis=-1)
