@@ -394,7 +394,7 @@ def parse_output(text: str, *, thinking: bool) -> ParsedOutput:
     except _ParseError:
         terminated = any(text.find(e, body) >= 0 for e in END_MARKERS)
         return ParsedOutput(content=text, start_seen=True, valid=False, terminated=terminated)
-    head = text[:start].rstrip()
+    head = text[:start].rstrip(" \t\n\r\x0b\x0c")  # C isspace(), not Unicode whitespace
     reasoning, content = _split_reasoning(head) if thinking else (None, head)
     return ParsedOutput(
         content=content, reasoning=reasoning, calls=calls, raw_dsml=text[start : parser.pos], start_seen=True

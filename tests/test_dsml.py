@@ -295,3 +295,8 @@ def test_partial_marker_len():
     assert partial_marker_len("abc<tool", markers) == len("<tool")
     assert partial_marker_len("abc", markers) == 0
     assert partial_marker_len("x<tool_calls>", markers) == 0  # complete marker is not partial
+
+
+def test_content_trim_is_ascii_whitespace_only():
+    out = parse_output("answer\u00a0 \t\n" + block(invoke("f")), thinking=False)
+    assert out.content == "answer\u00a0" and len(out.calls) == 1

@@ -427,3 +427,21 @@ def test_hf_json_reproduces_tokenizer(data, mode):
         ids = hf.encode(s).ids
         assert ids == tok.encode_chat(s), repr(s)
         assert hf.decode(ids, skip_special_tokens=False) == tok.decode(ids)
+
+
+def test_project_tiny_vocabulary():
+    """The tiny GGUFs' vocabulary (``ds4_mlx.testing.tiny_tokenizer``) loads and round-trips."""
+    testing = pytest.importorskip("ds4_mlx.testing")
+    data = testing.tiny_tokenizer(512)
+    tok = Tokenizer.from_gguf(data)
+    assert tok.vocab_size == 512 and (tok.bos_id, tok.eos_id) == (0, 1)
+    vocab = {t: i for i, t in enumerate(data.tokens)}
+    ranks = {tuple(m.split(" ")): r for r, m in enumerate(data.merges)}
+    rng = random.Random(51)
+    for _ in range(200):
+        s = rand_unicode(rng) + " the model " + rand_text(rng, "mixed")
+        ids = tok.encode(s)
+        assert tok.decode(ids) == s
+        assert ids == [i for p in ref_ds4_split(s) for i in ref_bpe(p.encode(), ranks, vocab)]
+    chat = "<｜begin▁of▁sentence｜><｜User｜>Hello<｜Assistant｜><think>"
+    assert tok.encode_chat(chat)[:2] == [tok.bos_id, tok.user_id]
