@@ -17,6 +17,7 @@ from ds4_mlx.config import ModelConfig
 from ds4_mlx.model.attention import Attention, LayerCache, make_layer_cache
 from ds4_mlx.model.indexer import select_top_k, selected_indices
 from ds4_mlx.weights import QuantWeight
+from test_numerics import np_fp4, np_fp8, np_fwht128  # NumPy references of the rounding steps
 
 # --- tiny config and random weights -----------------------------------------------------------------------
 
@@ -152,11 +153,16 @@ class RefCompressor:
         return rms(pooled, self.norm)
 
 
-class RefAttention:
-    """One attention layer, float64, decode only; hf profile (no ds4 rounding)."""
+def f16r_ref(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float32).astype(np.float16).astype(np.float64)
 
-    def __init__(self, cfg: ModelConfig, il: int, w: dict):
-        self.cfg, self.il, self.w = cfg, il, w
+
+class RefAttention:
+    """One attention layer, float64, decode only. ``ds4=True`` adds ds4's rounding steps (MODEL.md §4.12):
+    FP8 + f16r on raw and compressed rows, QAT + f16r on indexer rows, QAT on indexer q."""
+
+    def __init__(self, cfg: ModelConfig, il: int, w: dict, ds4: bool = False):
+        self.cfg, self.il, self.w, self.ds4 = cfg, il, w, ds4
         self.r = cfg.compress_ratio(il)
         self.raw, self.comp, self.icomp = [], [], []
         if self.r:
@@ -179,20 +185,23 @@ class RefAttention:
         q = rms((w["attn_q_b"] @ qr).reshape(H, D))
         kv = rms(w["attn_kv"] @ n, w["attn_kv_a_norm"])
         q, kv = rope_ref(q, th), rope_ref(kv, th)
+        kv = self.kv_row(kv)
         self.raw = (self.raw + [kv])[-cfg.n_swa :]
         sel = []
         if self.r:
             c = self.comp_c.step(n, p)
             if c is not None:
-                self.comp.append(rope_ref(c, yarn_theta(cfg, self.il, p + 1 - self.r)))
+                self.comp.append(self.kv_row(rope_ref(c, yarn_theta(cfg, self.il, p + 1 - self.r))))
             sel = list(range(len(self.comp)))
         if self.r == 4:
             c = self.idx_c.step(n, p)
             if c is not None:
-                self.icomp.append(rope_ref(c, yarn_theta(cfg, self.il, p + 1 - 4)))
+                c = rope_ref(c, yarn_theta(cfg, self.il, p + 1 - 4))
+                self.icomp.append(f16r_ref(self.qat(c)) if self.ds4 else c)
             if len(self.icomp) > cfg.indexer_top_k:
                 IH, ID = cfg.n_indexer_head, cfg.indexer_head_dim
                 iq = rope_ref((w["indexer.attn_q_b"] @ qr).reshape(IH, ID), th)
+                iq = self.qat(iq) if self.ds4 else iq
                 wts = (w["indexer.proj"] @ n) / math.sqrt(ID * IH)
                 K = np.array(self.icomp)
                 score = (wts[:, None] * np.maximum(K @ iq.T, 0).T).sum(axis=0)  # [N]
@@ -219,6 +228,15 @@ class RefAttention:
             [w["attn_output_a"][g * OL : (g + 1) * OL] @ o[g * hpg : (g + 1) * hpg].reshape(-1) for g in range(G)]
         )
         return w["attn_output_b"] @ low
+
+    def kv_row(self, v: np.ndarray) -> np.ndarray:
+        if not self.ds4:
+            return v
+        return f16r_ref(np_fp8(v.astype(np.float32)[None], self.cfg.nope_dim)[0])
+
+    @staticmethod
+    def qat(v: np.ndarray) -> np.ndarray:
+        return np_fp4(np_fwht128(v.astype(np.float32))).astype(np.float64)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -296,6 +314,33 @@ def test_hf_matches_float64_reference(R, il, T):
         assert T // 4 > cfg.indexer_top_k + 4  # the indexer really selected
     if r:
         assert T > 2 * r
+
+
+@pytest.mark.parametrize("R,il,T", CASES[:3])
+def test_ds4_matches_reference_with_rounding(R, il, T):
+    """ds4 profile vs the float64 reference with ds4's rounding steps (NumPy implementations).
+
+    f32-vs-f64 noise can flip an f16/FP8 rounding now and then, so the bound is looser than for ``hf``, but
+    far below the effect of the rounding itself (asserted: the hf reference is >100x further away).
+    """
+    cfg = make_config(R=R)
+    mlx_w, ref_w = make_weights(cfg, il, seed=200 + il)
+    x = np.random.default_rng(11 + il).standard_normal((T, cfg.n_embd)).astype(np.float32)
+    ref = RefAttention(cfg, il, ref_w, ds4=True)
+    want = np.stack([ref.step(x[p].astype(np.float64), p) for p in range(T)])
+    ref_hf = RefAttention(cfg, il, ref_w)
+    want_hf = np.stack([ref_hf.step(x[p].astype(np.float64), p) for p in range(T)])
+    attn = Attention(cfg, il, mlx_w, "ds4")
+    got, cache = run_chunks(attn, x, [1] * T)
+    err, effect = rel_err(got, want), rel_err(want_hf, want)
+    assert err < 1e-4 and effect > 100 * err, (err, effect)
+    raw_err = np.abs(np.array(cache.raw) - np.array(ref.raw)).max()
+    assert raw_err < 1e-3, raw_err
+    if cache.comp is not None:
+        comp_rows, ref_rows = np.array(cache.comp_rows), np.array(ref.comp)
+        assert np.mean(comp_rows == ref_rows) > 0.97  # bit-equal apart from rare rounding flips
+    if cache.index is not None:
+        assert np.mean(np.array(cache.index_rows) == np.array(ref.icomp)) > 0.97
 
 
 @pytest.mark.parametrize("profile", ["hf", "ds4"])
