@@ -28,6 +28,8 @@ __all__ = [
     "TOOL_CALLS_END",
     "START_MARKERS",
     "END_MARKERS",
+    "OPEN_MARKERS",
+    "unescape_entities",
     "esc_attr",
     "esc_result",
     "minify_json",
@@ -58,7 +60,8 @@ START_MARKERS = (
     "<tool_calls>",
 )
 END_MARKERS = tuple(f"</{p}tool_calls>" for p in _TAG_PREFIXES)
-_OPEN_MARKERS = tuple(f"<{p}tool_calls>" for p in _TAG_PREFIXES)
+OPEN_MARKERS = tuple(f"<{p}tool_calls>" for p in _TAG_PREFIXES)  # start tags, without the "\n\n"
+_OPEN_MARKERS = OPEN_MARKERS  # old private name, still imported by server/sse.py
 
 
 # -- escaping ---------------------------------------------------------------------------------------------------
