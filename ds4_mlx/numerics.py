@@ -6,13 +6,16 @@ row written to a cache is rounded to f16. Each step is a separate switch of :cla
 presets of :data:`PROFILES` bundle them (``hf`` = none of them, ``ds4`` = all, the default).
 
 All functions take and return float32 MLX arrays and act on the last axis. Power-of-two scales are
-derived from the float32 exponent bits, so ``2^ceil(log2(t))`` is exact (no ``log2`` rounding).
+derived from the float32 exponent bits, so ``2^ceil(log2(t))`` is exact (no ``log2`` rounding). The
+round trips are chains of ~30 elementwise ops, so they are ``mx.compile``d (fused into a few kernels; every
+step is exact, so fusion cannot change a bit).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import partial
 
 import mlx.core as mx
 
@@ -78,16 +81,6 @@ def _pow2(e: mx.array) -> mx.array:
     return ((e + 127).astype(mx.uint32) << 23).view(mx.float32)
 
 
-def _block_scale(x: mx.array, block: int, vmax: float, amax_floor: float) -> tuple[mx.array, mx.array]:
-    """Split the last axis into blocks; return ``(x [..., nb, block], scale [..., nb, 1])``.
-
-    ``scale = 2^ceil(log2(max(amax, floor) / vmax))`` per block.
-    """
-    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-    amax = mx.maximum(mx.abs(xb).max(axis=-1, keepdims=True), amax_floor)
-    return xb, _pow2(_ceil_log2(amax / vmax))
-
-
 # --- FP8-E4M3 -------------------------------------------------------------------------------------------
 
 
@@ -104,6 +97,15 @@ def fp8_e4m3_round(v: mx.array) -> mx.array:
     return mx.where(v < 0, -1.0, 1.0) * (mx.round(a / quantum) * quantum)
 
 
+@partial(mx.compile, shapeless=False)
+def _fp8_blocks(xb: mx.array) -> mx.array:
+    """E4M3 round trip of ``xb [..., nb, 64]`` with one power-of-two scale per block."""
+    amax = mx.maximum(mx.abs(xb).max(axis=-1, keepdims=True), FP8_AMAX_FLOOR)
+    scale = _pow2(_ceil_log2(amax / FP8_E4M3_MAX))
+    v = mx.clip(xb / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return fp8_e4m3_round(v) * scale
+
+
 def fp8_e4m3_round_trip(x: mx.array, n_dims: int | None = None) -> mx.array:
     """ds4's FP8 KV simulation (``dsv4_fp8_kv_quantize_row_inplace_cpu()``) on the first ``n_dims``.
 
@@ -112,9 +114,7 @@ def fp8_e4m3_round_trip(x: mx.array, n_dims: int | None = None) -> mx.array:
     """
     n = x.shape[-1] if n_dims is None else n_dims
     nope, rest = x[..., :n], x[..., n:]
-    xb, scale = _block_scale(nope, FP8_BLOCK, FP8_E4M3_MAX, FP8_AMAX_FLOOR)  # [..., n/64, 64], [..., n/64, 1]
-    v = mx.clip(xb / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    q = (fp8_e4m3_round(v) * scale).reshape(nope.shape)
+    q = _fp8_blocks(nope.reshape(*nope.shape[:-1], n // FP8_BLOCK, FP8_BLOCK)).reshape(nope.shape)
     return q if rest.shape[-1] == 0 else mx.concatenate([q, rest], axis=-1)
 
 
@@ -132,9 +132,13 @@ def fp4_e2m1_round(v: mx.array) -> mx.array:
     return mx.where(v < 0, -1.0, 1.0) * (mx.round(a / quantum) * quantum)
 
 
+@partial(mx.compile, shapeless=False)
 def fp4_e2m1_round_trip(x: mx.array) -> mx.array:
-    """ds4's FP4 activation simulation (``dsv4_fp4_act_quantize_row_inplace_cpu()``), blocks of 32."""
-    xb, scale = _block_scale(x, FP4_BLOCK, FP4_E2M1_MAX, FP4_AMAX_FLOOR)
+    """ds4's FP4 activation simulation (``dsv4_fp4_act_quantize_row_inplace_cpu()``), blocks of 32:
+    ``scale = 2^ceil(log2(max(amax, 7.05e-38)/6))``, ``x' = e2m1(clamp(x/scale, ±6)) * scale``."""
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // FP4_BLOCK, FP4_BLOCK)
+    amax = mx.maximum(mx.abs(xb).max(axis=-1, keepdims=True), FP4_AMAX_FLOOR)
+    scale = _pow2(_ceil_log2(amax / FP4_E2M1_MAX))
     v = mx.clip(xb / scale, -FP4_E2M1_MAX, FP4_E2M1_MAX)
     return (fp4_e2m1_round(v) * scale).reshape(x.shape)
 

@@ -11,7 +11,8 @@ for ratio 4 rows 0..3 hold the previous complete window and rows 4..7 the curren
 
 A chunk of T tokens is processed in one go: the partial window in the frontier is prepended to the
 chunk's rows, every window completed inside the chunk is pooled at once, and the remainder becomes the
-new frontier. T = 1 is the decode step.
+new frontier. T = 1 (decode) writes its row in place of the frontier (``slice_update``) and pools only
+when it completes a window; both paths leave the same canonical frontier.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class Compressor:
 
         cur0 = r if self.coff == 2 else 0  # first frontier row of the current window
         k = pos % r  # tokens of the current window already in the frontier
+        if T == 1:
+            return self._decode_step(kv_cur, sc_cur, pos, state, cur0 + k)
         seq_kv = mx.concatenate([state.kv[cur0 : cur0 + k], kv_cur]) if k else kv_cur  # [k+T, w]
         seq_sc = mx.concatenate([state.score[cur0 : cur0 + k], sc_cur]) if k else sc_cur
         nw = (pos + T) // r - pos // r  # windows completed inside this chunk
@@ -106,11 +109,7 @@ class Compressor:
                 ent_sc = mx.concatenate([prev_sc[..., :hd], win_sc[..., hd:]], axis=1)
             else:
                 ent_kv, ent_sc = win_kv, win_sc  # [nw, r, hd]
-            pooled = (mx.softmax(ent_sc, axis=1) * ent_kv).sum(axis=1)  # [nw, hd]
-            c = mx.fast.rms_norm(pooled, self.norm, self.eps)
-            starts = (pos // r + np.arange(nw)) * r  # RoPE at each window's first position
-            C, S = self.rope.tables(starts, hd)
-            rows = self.finish_row(apply_rope(c, C, S))
+            rows = self._finish(ent_kv, ent_sc, (pos // r + np.arange(nw)) * r)  # RoPE at each window start
 
         rem = (pos + T) % r  # tokens of the new partial window
         cur_kv, cur_sc = seq_kv[nw * r :], seq_sc[nw * r :]  # [rem, w]
@@ -122,6 +121,36 @@ class Compressor:
             cur_kv = mx.concatenate([prev_kv, cur_kv])
             cur_sc = mx.concatenate([prev_sc, cur_sc])
         return rows, CompressorState(cur_kv, cur_sc)
+
+    def _decode_step(
+        self, kv_cur: mx.array, sc_cur: mx.array, pos: int, state: CompressorState, row: int
+    ) -> tuple[mx.array | None, CompressorState]:
+        """T = 1: write the token into its frontier row; pool when it completes a window (same math as above)."""
+        r, hd = self.ratio, self.hd
+        at = mx.array([row])
+        kv = mx.slice_update(state.kv, kv_cur, at, axes=(0,))  # [coff*r, w]
+        sc = mx.slice_update(state.score, sc_cur, at, axes=(0,))
+        if (pos + 1) % r:
+            return None, CompressorState(kv, sc)
+        if self.coff == 2:  # lane A of rows 0..3 (previous window), lane B of rows 4..7 (this one)
+            ent_kv = mx.concatenate([kv[:r, :hd], kv[r:, hd:]])[None]  # [1, 2r, hd]
+            ent_sc = mx.concatenate([sc[:r, :hd], sc[r:, hd:]])[None]
+        else:
+            ent_kv, ent_sc = kv[None], sc[None]  # [1, r, hd]
+        rows = self._finish(ent_kv, ent_sc, [pos + 1 - r])
+        if self.coff == 2:  # the finished window becomes "previous"; the new current one is empty
+            w = self.width
+            kv = mx.concatenate([kv[r:], mx.zeros((r, w), mx.float32)])
+            sc = mx.concatenate([sc[r:], mx.full((r, w), NEG, mx.float32)])
+            return rows, CompressorState(kv, sc)
+        return rows, self.init_state()
+
+    def _finish(self, ent_kv: mx.array, ent_sc: mx.array, starts) -> mx.array:
+        """Pool ``[nw, entries, hd]`` over the entries, norm, RoPE at the window starts, round -> ``[nw, hd]``."""
+        pooled = (mx.softmax(ent_sc, axis=1) * ent_kv).sum(axis=1)  # [nw, hd]
+        c = mx.fast.rms_norm(pooled, self.norm, self.eps)
+        C, S = self.rope.tables(starts, self.hd)
+        return self.finish_row(apply_rope(c, C, S))
 
     def _ape_rows(self, pos: int, T: int) -> mx.array:
         """``ape[p mod r]`` for p in pos..pos+T-1 -> ``[T, w]``."""
