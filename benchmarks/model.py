@@ -1,0 +1,241 @@
+"""Decode ms/token and prefill tokens/s of the assembled model, next to the MODEL.md §10 bandwidth floor.
+
+Weights are random but valid GGUF blocks in the published q2 layout (IQ2_XXS gate/up, Q2_K down, Q8_0
+attention/shared/LM head, F16 HC/router/compressor/indexer), generated directly in device memory: no
+file. Every tensor is its own buffer (nothing is shared between layers), so caches do not flatter the
+numbers; at the full shape that is ~87 GB of weights.
+
+    python benchmarks/model.py --shape full            # 43 layers, 4096 wide, 256 experts (H200)
+    python benchmarks/model.py --shape tiny            # the MODEL.md §9 test shape (CPU ok)
+
+The floor is (bytes one decoded token reads, ``layout.decode_bytes_per_token``) / (copy bandwidth
+measured in the same run, bytes read + written per second). The per-component breakdown times each
+component alone over all layers at the decode position (attention incl. compressor/indexer, MoE incl.
+router and shared expert, the 86 HC pre/post pairs, the output head), each next to its own floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4_mlx.config import ModelConfig  # noqa: E402
+from ds4_mlx.layout import EXPERT_VARIANTS, decode_bytes_per_token, expected_tensors  # noqa: E402
+from ds4_mlx.model.hyper import hc_post, hc_pre  # noqa: E402
+from ds4_mlx.model.model import Model  # noqa: E402
+from ds4_mlx.session import Session  # noqa: E402
+from ds4_mlx.testing import _SCALE_FIELDS, _unit_rms, flash_config, tiny_config  # noqa: E402
+from ds4_mlx.weights import QuantWeight, kernel_backend  # noqa: E402
+
+# ---- random weights in device memory ------------------------------------------------------------------
+
+
+def random_block_bytes(qtype: T, shape: tuple[int, ...], std: float) -> mx.array:
+    """Random valid blocks (uniform bytes, finite f16 scales) whose values have std ≈ ``std``; built on device."""
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block
+    raw = mx.random.randint(0, 256, (n_blocks, block_bytes), dtype=mx.uint8)
+    d_off, m_off, m_ratio = _SCALE_FIELDS[qtype]  # the factory's calibration (zero-mean values)
+    d = std / _unit_rms(qtype)
+    raw[:, d_off : d_off + 2] = mx.array(np.array([d], np.float16).view(np.uint8))
+    if m_off is not None:
+        raw[:, m_off : m_off + 2] = mx.array(np.array([d * m_ratio], np.float16).view(np.uint8))
+    return raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
+
+
+def _vector(short: str, shape: tuple[int, ...]) -> mx.array:
+    if short.endswith("norm"):
+        return mx.random.uniform(0.8, 1.2, shape)
+    if short.endswith("scale"):
+        return mx.random.uniform(0.5, 1.5, shape)
+    if short.endswith("base"):
+        return 0.5 * mx.random.normal(shape)
+    if short == "attn_sinks":
+        return mx.random.normal(shape)
+    if short == "exp_probs_b":
+        return 0.1 * mx.random.normal(shape)
+    raise AssertionError(short)
+
+
+def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict:
+    """``{gguf name: QuantWeight | mx.array}`` for every tensor of the layout, random, in device memory."""
+    mx.random.seed(seed)
+    gate_t, up_t, down_t = EXPERT_VARIANTS[experts]
+    out = {}
+    for name, spec in expected_tensors(cfg).items():
+        shape, qtype = spec.shape, spec.types[0]
+        short = name.split(".", 2)[-1].rsplit(".", 1)[0] if name.startswith("blk.") else name.rsplit(".", 1)[0]
+        if spec.component == "experts":
+            qtype = {"ffn_gate_exps": gate_t, "ffn_up_exps": up_t, "ffn_down_exps": down_t}[short]
+        if qtype == T.I32:  # tid2eid: distinct experts per token
+            v = mx.argsort(mx.random.uniform(shape=(shape[0], cfg.n_expert)), axis=-1)[:, : shape[1]]
+            out[name] = v.astype(mx.int32)
+        elif len(shape) == 1:
+            out[name] = _vector(short, shape)
+        else:
+            std = 1.0 if name == "token_embd.weight" else (0.5 if short.endswith("_ape") else shape[-1] ** -0.5)
+            if qtype in (T.F16, T.F32):
+                data = (std * mx.random.normal(shape)).astype(mx.float16 if qtype == T.F16 else mx.float32)
+            else:
+                data = random_block_bytes(qtype, shape, std)
+            out[name] = QuantWeight(data, qtype, shape)
+        mx.eval(out[name].data if isinstance(out[name], QuantWeight) else out[name])
+    return out
+
+
+def tensor_bytes(weights: dict) -> dict[str, int]:
+    return {k: int(v.nbytes) for k, v in weights.items()}
+
+
+# ---- timing helpers ------------------------------------------------------------------------------------
+
+
+def timed(fn, reps: int) -> float:
+    """Median wall seconds of ``fn()`` (which must evaluate its work) over ``reps`` runs after one warm-up."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes (read + written) per second of a large device copy."""
+    a = mx.random.uniform(shape=(nbytes // 4,))
+    mx.eval(a)
+    t = timed(lambda: mx.eval(a + 1.0), 5)
+    return 2 * a.nbytes / t
+
+
+def component_times(model: Model, sess: Session, reps: int) -> dict[str, float]:
+    """Seconds per decoded token of each component alone, over all layers, at the session's position."""
+    cfg, pos = model.cfg, sess.pos
+    x0 = mx.random.normal((1, cfg.n_embd))
+    S0 = mx.random.normal((1, cfg.n_hc, cfg.n_embd))
+    tok = mx.array([int(sess.tokens[-1])], dtype=mx.int32)
+    mx.eval(x0, S0)
+
+    def attention():
+        x = x0
+        for layer, c in zip(model.layers, sess.caches):
+            x = x + 0.0 * layer.attn(x, pos, c.snapshot())  # chained like the real graph; state untouched
+        mx.eval(x)
+
+    def moe():
+        x = x0
+        for layer in model.layers:
+            x = x + 0.0 * layer.ffn(x, tok)
+        mx.eval(x)
+
+    def hc():
+        S = S0
+        for layer in model.layers:
+            for w in (layer.hc_attn, layer.hc_ffn):
+                x, post, comb = hc_pre(S, *w, cfg)
+                S = hc_post(S, x, post, comb)
+        mx.eval(S)
+
+    def head():
+        mx.eval(model.head(S0))
+
+    return {name: timed(f, reps) for name, f in
+            [("attention", attention), ("moe", moe), ("hc", hc), ("output head", head)]}
+
+
+# floor components (layout.decode_bytes_per_token labels) grouped like the timed components
+FLOOR_GROUPS = {
+    "attention": ("attention projections", "attention compressors", "indexer q_b + proj", "indexer compressors",
+                  "kv cache"),
+    "moe": ("routed experts", "shared experts", "router"),
+    "hc": ("hc, norms, embedding row",),
+    "output head": ("lm head",),
+}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=("full", "tiny"), default="full")
+    ap.add_argument("--experts", choices=tuple(EXPERT_VARIANTS), default="q2")
+    ap.add_argument("--prefill", type=int, default=None, help="prompt tokens (default 1024 full / 64 tiny)")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
+    ap.add_argument("--decode", type=int, default=None, help="decoded tokens timed (default 32 full / 8 tiny)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each component timing")
+    ap.add_argument("--copy-gib", type=float, default=None, help="size of the bandwidth copy test")
+    ap.add_argument("--numerics", default="ds4")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    full = args.shape == "full"
+    n_prefill = args.prefill or (1024 if full else 64)
+    n_decode = args.decode or (32 if full else 8)
+    copy_bytes = int((args.copy_gib or (4.0 if full else 0.25)) * 2**30)
+
+    cfg = flash_config() if full else tiny_config()
+    print(f"device {mx.default_device()}, kernels {kernel_backend()}, shape {args.shape}, experts {args.experts}, "
+          f"numerics {args.numerics}", flush=True)
+    t0 = time.perf_counter()
+    weights = random_weights(cfg, args.experts)
+    sizes = tensor_bytes(weights)
+    print(f"built {len(weights)} tensors, {sum(sizes.values()) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s; "
+          f"active {mx.get_active_memory() / 1e9:.2f} GB", flush=True)
+    model = Model(cfg, weights, args.numerics)
+    bw = copy_bandwidth(copy_bytes)
+
+    rng = np.random.default_rng(0)
+    prompt = [0] + rng.integers(2, cfg.n_vocab, n_prefill - 1).tolist()
+    sess = Session(model, chunk_size=args.chunk)
+    t0 = time.perf_counter()
+    sess.prefill(prompt)
+    t_prefill = time.perf_counter() - t0
+
+    tok = int(mx.argmax(sess.logits).item())
+    for _ in range(2):  # warm-up (compile caches, kernel JIT)
+        tok = int(mx.argmax(sess.step(tok)).item())
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        tok = int(mx.argmax(sess.step(tok)).item())
+    t_decode = (time.perf_counter() - t0) / n_decode
+    ctx = sess.pos
+    assert bool(mx.all(mx.isfinite(sess.logits)).item()), "non-finite logits"
+
+    floor_bytes = decode_bytes_per_token(cfg, sizes, ctx)
+    total_bytes = sum(floor_bytes.values())
+    floor = total_bytes / bw
+    comps = component_times(model, sess, args.reps)
+
+    res = {
+        "shape": args.shape, "experts": args.experts, "device": str(mx.default_device()),
+        "kernels": kernel_backend(), "prefill_tokens": n_prefill, "chunk": args.chunk,
+        "prefill_tok_s": n_prefill / t_prefill, "decode_ms": t_decode * 1e3, "decode_ctx": ctx,
+        "copy_bw_GBs": bw / 1e9, "bytes_per_token": total_bytes, "floor_ms": floor * 1e3,
+        "floor_ratio": floor / t_decode, "components_ms": {k: v * 1e3 for k, v in comps.items()},
+        "components_floor_ms": {k: sum(floor_bytes.get(c, 0) for c in cs) / bw * 1e3 for k, cs in FLOOR_GROUPS.items()},
+        "kv_bytes": sess.kv_bytes, "peak_memory_GB": mx.get_peak_memory() / 1e9,
+    }
+    print(f"prefill: {n_prefill} tokens (chunk {args.chunk}) in {t_prefill:.2f} s = {res['prefill_tok_s']:.1f} tok/s")
+    print(f"decode:  {res['decode_ms']:.2f} ms/token at ctx {ctx} ({1e3 / res['decode_ms']:.1f} tok/s)")
+    print(f"floor:   {total_bytes / 1e9:.3f} GB/token / {bw / 1e9:.0f} GB/s copy bandwidth = {res['floor_ms']:.2f} ms"
+          f"  -> decode at {100 * res['floor_ratio']:.1f}% of the floor")
+    print(f"{'component':<14}{'measured ms':>12}{'floor ms':>10}{'% floor':>9}")
+    for k, v in res["components_ms"].items():
+        f = res["components_floor_ms"][k]
+        print(f"{k:<14}{v:>12.2f}{f:>10.2f}{100 * f / v:>8.1f}%")
+    print(f"{'sum':<14}{sum(res['components_ms'].values()):>12.2f}   (whole decode step {res['decode_ms']:.2f})")
+    print(f"kv state {sess.kv_bytes / 1e6:.1f} MB, peak memory {res['peak_memory_GB']:.2f} GB")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The whole DeepSeek V4 Flash forward pass (MODEL.md §4.2, §4.11, §11).
+
+``tokens -> embedding (n_hc identical streams) -> n_layer x [HC pre -> attention -> HC post ->
+HC pre -> MoE -> HC post] -> output HC head -> output norm -> LM head``. The per-layer KV state
+lives in :class:`~ds4_mlx.model.attention.LayerCache` objects owned by the caller (a
+:class:`~ds4_mlx.session.Session`), so one model serves any number of sessions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from ..config import ModelConfig
+from ..numerics import Numerics, get_numerics
+from .attention import Attention, LayerCache, make_layer_cache
+from .hyper import hc_head, hc_post, hc_pre
+from .moe import MoE
+
+
+class Block:
+    """One transformer layer: attention and MoE sublayers, each wrapped in HC pre/post."""
+
+    def __init__(self, cfg: ModelConfig, il: int, weights: dict[str, Any], numerics: Numerics):
+        p = f"blk.{il}."
+        self.cfg, self.il = cfg, il
+        self.hc_attn = tuple(weights[p + f"hc_attn_{k}.weight"] for k in ("fn", "scale", "base"))
+        self.hc_ffn = tuple(weights[p + f"hc_ffn_{k}.weight"] for k in ("fn", "scale", "base"))
+        self.attn = Attention(cfg, il, weights, numerics)
+        self.ffn = MoE(cfg, il, weights, numerics)
+
+    def __call__(self, S: mx.array, tokens: mx.array, pos: int, cache: LayerCache) -> mx.array:
+        """State ``S [T, n_hc, E]`` of tokens at ``pos..pos+T-1`` -> the layer's output state (same shape)."""
+        x, post, comb = hc_pre(S, *self.hc_attn, self.cfg)  # x [T, E]
+        S = hc_post(S, self.attn(x, pos, cache), post, comb)
+        x, post, comb = hc_pre(S, *self.hc_ffn, self.cfg)
+        return hc_post(S, self.ffn(x, tokens), post, comb)
+
+
+class Model:
+    """DeepSeek V4 Flash built from GGUF-named weights (see :func:`ds4_mlx.gguf_file.load_weights`).
+
+    Args:
+        cfg: the model's :class:`ModelConfig` (every dimension comes from here).
+        weights: ``{gguf tensor name: QuantWeight | mx.array}``.
+        numerics: numeric profile (``"ds4"`` default, ``"hf"``) or a :class:`Numerics`.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Any], numerics: str | Numerics | None = "ds4"):
+        self.cfg = cfg
+        self.numerics = get_numerics(numerics)
+        self.token_embd = weights["token_embd.weight"]  # [V, E] F16
+        self.layers = [Block(cfg, il, weights, self.numerics) for il in range(cfg.n_layer)]
+        self.output_hc = tuple(weights[f"output_hc_{k}.weight"] for k in ("fn", "scale", "base"))
+        self.output_norm = weights["output_norm.weight"]  # [E]
+        self.output = weights["output.weight"]  # [V, E] Q8_0 (not tied to the embedding)
+        # Evaluate the state after every layer when a call has at least this many tokens: bounds the
+        # memory of long prefill chunks; single-token decode stays one lazy graph.
+        self.eval_layers_from = 64
+
+    def make_cache(self) -> list[LayerCache]:
+        """Fresh per-layer KV state (raw window, compressed rows, compressor/indexer frontiers)."""
+        return [make_layer_cache(self.cfg, il) for il in range(self.cfg.n_layer)]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """``tokens [T]`` -> initial state ``[T, n_hc, E]``: every stream is the f16 embedding row (§4.2)."""
+        x0 = self.token_embd.rows(tokens)  # [T, E] f32
+        return mx.broadcast_to(x0[:, None, :], (x0.shape[0], self.cfg.n_hc, x0.shape[1]))
+
+    def head(self, S: mx.array) -> mx.array:
+        """Final state ``[T, n_hc, E]`` -> logits ``[T, V]`` (§4.10: HC head, norm, LM head)."""
+        x = hc_head(S, *self.output_hc, self.cfg)  # [T, E]
+        x = mx.fast.rms_norm(x, self.output_norm, self.cfg.rms_eps)
+        return self.output.matmul(x)  # [T, V]
+
+    def __call__(
+        self,
+        tokens: mx.array | Sequence[int],
+        pos: int,
+        caches: list[LayerCache],
+        *,
+        all_logits: bool = False,
+    ) -> mx.array:
+        """Run ``tokens [T]`` at positions ``pos..pos+T-1``, updating ``caches`` in place.
+
+        Returns the next-token logits of the last token ``[V]`` (f32), or ``[T, V]`` for every
+        position with ``all_logits=True``.
+        """
+        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
+        S = self.embed(tokens)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            S = layer(S, tokens, pos, cache)
+            if tokens.shape[0] >= self.eval_layers_from:
+                mx.eval(S)
+        if all_logits:
+            return self.head(S)
+        return self.head(S[-1:])[0]

@@ -1,0 +1,107 @@
+"""A generation session: the token history, the per-layer KV state and the last logits (MODEL.md §5).
+
+``prefill`` feeds a prompt in chunks (any chunk size: boundaries need not line up with the compression
+ratios), ``step`` decodes one token, and ``snapshot``/``restore`` keep and bring back the whole state in
+memory. The model itself is stateless, so several sessions can share one :class:`~ds4_mlx.model.Model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+
+from .model.model import Model
+
+DEFAULT_CHUNK = 512
+
+
+def _arrays(obj, out: list | None = None) -> list[mx.array]:
+    """Every ``mx.array`` reachable from ``obj`` (attributes, lists, tuples, dicts)."""
+    out = [] if out is None else out
+    if isinstance(obj, mx.array):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _arrays(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _arrays(v, out)
+    elif hasattr(obj, "__dict__"):
+        _arrays(vars(obj), out)
+    elif hasattr(obj, "__slots__"):
+        _arrays([getattr(obj, k, None) for k in obj.__slots__], out)
+    return out
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """Everything the next token needs: token ids, last logits and every layer's cache state."""
+
+    tokens: tuple[int, ...]
+    logits: mx.array | None
+    caches: tuple
+
+
+class Session:
+    """Incremental inference over one token stream (batch size 1).
+
+    Attributes:
+        tokens: the ids processed so far. ``pos`` (= ``len(tokens)``) is the next position.
+        logits: f32 next-token logits ``[V]`` after the last processed token (``None`` when empty).
+    """
+
+    def __init__(self, model: Model, *, chunk_size: int = DEFAULT_CHUNK):
+        self.model = model
+        self.chunk_size = chunk_size
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: empty caches, no tokens, no logits."""
+        self.caches = self.model.make_cache()
+        self.tokens: list[int] = []
+        self.logits: mx.array | None = None
+
+    @property
+    def pos(self) -> int:
+        return len(self.tokens)
+
+    def _run(self, tokens: list[int]) -> mx.array:
+        logits = self.model(tokens, self.pos, self.caches)
+        mx.eval(logits, _arrays(self.caches))  # also materialize the cache state so graphs never chain across calls
+        self.tokens.extend(tokens)
+        self.logits = logits
+        return logits
+
+    def prefill(self, tokens: Sequence[int], chunk_size: int | None = None) -> mx.array:
+        """Process ``tokens`` after the current history, ``chunk_size`` tokens per model call.
+
+        Returns the next-token logits ``[V]`` after the last one.
+        """
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        step = chunk_size or self.chunk_size
+        for i in range(0, len(tokens), step):
+            self._run(tokens[i : i + step])
+        return self.logits
+
+    def step(self, token: int) -> mx.array:
+        """Decode one token; returns the next-token logits ``[V]``."""
+        return self._run([int(token)])
+
+    def snapshot(self) -> SessionSnapshot:
+        """An in-memory copy of the state; later calls do not change it."""
+        return SessionSnapshot(tuple(self.tokens), self.logits, tuple(c.snapshot() for c in self.caches))
+
+    def restore(self, snap: SessionSnapshot) -> None:
+        """Return to ``snap`` (which stays usable: it can be restored again)."""
+        self.caches = [c.snapshot() for c in snap.caches]
+        self.tokens = list(snap.tokens)
+        self.logits = snap.logits
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes held by the KV state (raw windows, compressed rows, frontiers) of every layer."""
+        return sum(c.nbytes for c in self.caches)
