@@ -1,0 +1,128 @@
+"""``ds4-mlx serve``: the command (a plain function with typer options) and :func:`run_server`."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from ..chat import ThinkMode
+from .worker import GenParams
+
+DEFAULT_MODEL = Path("ds4flash.gguf")
+
+
+def _tracer(path: Path | None) -> Callable[[str], None] | None:
+    if path is None:
+        return None
+    f = open(path, "a", encoding="utf-8", errors="replace")
+    lock = threading.Lock()
+
+    def trace(s: str) -> None:
+        with lock:
+            f.write(f"[{time.strftime('%H:%M:%S')}] {s}\n")
+            f.flush()
+
+    return trace
+
+
+def model_loader(path: Path, ctx: int) -> Callable[[], tuple[Any, Any]]:
+    """A loader for the worker thread: ``load(path)`` -> a live :class:`Session` and the tokenizer."""
+
+    def load():
+        from ..loader import load as load_gguf
+        from ..session import Session
+
+        model, tokenizer = load_gguf(path)
+        if tokenizer is None:
+            raise RuntimeError(f"{path}: no usable tokenizer in the GGUF")
+        return Session(model), tokenizer
+
+    return load
+
+
+def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", port: int = 8000, ctx: int = 32768,
+               default_max_tokens: int = 393216, default_mode: ThinkMode = ThinkMode.HIGH,
+               sampling: GenParams | None = None, api_key: str | None = None, cors: bool = False,
+               trace: Path | None = None, keepalive: float = 5.0, any_model: bool = False,
+               tool_memory_max_ids: int = 100_000, log_level: str = "warning", banner: str = "") -> None:
+    """Start the worker (it loads the model in its own thread) and serve until interrupted."""
+    import uvicorn
+
+    from .app import ServerConfig, create_app
+    from .worker import Worker
+
+    tracer = _tracer(trace)
+    cfg = ServerConfig(ctx=ctx, default_max_tokens=default_max_tokens, default_mode=default_mode,
+                       sampling=sampling or GenParams(), api_key=api_key, cors=cors, keepalive=keepalive,
+                       any_model=any_model, tool_memory_max_ids=tool_memory_max_ids)
+    worker = Worker(load, ctx=ctx, default_max_tokens=default_max_tokens, trace=tracer)
+    worker.start()
+    app = create_app(worker, cfg, tracer)
+    host = "127.0.0.1" if host == "localhost" else host
+    print(f"ds4-mlx serve: http://{host}:{port}/v1 {banner}(ctx {ctx})", file=sys.stderr, flush=True)
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                  timeout_graceful_shutdown=3)).run()
+    worker.stop(timeout=5)
+
+
+def serve(
+    model: Optional[Path] = typer.Option(None, "-m", "--model", help="DS4 GGUF to serve (default ./ds4flash.gguf)."),
+    demo: bool = typer.Option(False, "--demo", help="Serve the built-in tiny random-weight demo model."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    port: int = typer.Option(8000, "--port", help="Port to bind."),
+    ctx: int = typer.Option(32768, "-c", "--ctx", help="Context size in tokens (prompt + output)."),
+    tokens: int = typer.Option(393216, "-n", "--tokens", help="Default max output tokens when a request sets none."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DS4_MLX_API_KEY",
+                                          help="Require this key (Bearer or x-api-key)."),
+    cors: bool = typer.Option(False, "--cors", help="Add permissive CORS headers to every response."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Append requests, prompts, cache decisions and "
+                                                                "generated text to FILE."),
+    temp: float = typer.Option(1.0, "--temp", help="Default temperature (non-thinking requests)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Default top-p."),
+    top_k: int = typer.Option(0, "--top-k", help="Default top-k (0 = off)."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Default min-p."),
+    think: str = typer.Option("high", "--think", help="Default thinking when a request does not say: "
+                                                       "none, high or max."),
+    keepalive: float = typer.Option(5.0, "--keepalive", help="Seconds of silence before an SSE keepalive comment."),
+    any_model: bool = typer.Option(False, "--any-model", help="Accept any model name (ds4 behaviour) instead of "
+                                                              "answering 404 for unknown ones."),
+    tool_memory_max_ids: int = typer.Option(100_000, "--tool-memory-max-ids",
+                                            help="Tool ids remembered for exact DSML replay."),
+    disable_exact_dsml_tool_replay: bool = typer.Option(False, "--disable-exact-dsml-tool-replay",
+                                                        help="Re-render tool calls canonically instead."),
+) -> None:
+    """Serve the model over HTTP: OpenAI (chat, completions, responses) and Anthropic (messages) APIs."""
+    if think not in ("none", "high", "max"):
+        raise typer.BadParameter("--think must be none, high or max")
+    if ctx < 16 or port < 0 or port > 65535 or tokens < 1:
+        raise typer.BadParameter("invalid --ctx, --port or --tokens")
+    if demo:
+        from ..demo import demo_model_path
+
+        model = demo_model_path()
+    model = model or DEFAULT_MODEL
+    if not model.exists():
+        typer.echo(f"error: model file {model} not found (pass -m PATH, or --demo for the built-in tiny model)",
+                   err=True)
+        raise typer.Exit(2)
+    run_server(model_loader(model, ctx), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
+               default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
+               cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,
+               tool_memory_max_ids=0 if disable_exact_dsml_tool_replay else tool_memory_max_ids,
+               banner=f"model {model} ")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``serve`` as a stand-alone command (until it is registered in ``ds4_mlx.cli``)."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command()(serve)
+    app(args=argv if argv is not None else sys.argv[1:], prog_name="ds4-mlx serve")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Helpers for the server tests: a real ``ds4-mlx serve`` subprocess on a free port, and a fast fake engine for
+in-process tests (schemathesis, auth/CORS) that only need the HTTP layer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DSML = "｜DSML｜"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model: Path, *args: str, fake: bool = False, timeout: float = 90.0):
+    """Start ``ds4-mlx serve -m model --port P args…`` with the test hooks on; yield the base URL; stop it.
+
+    ``fake=True`` serves the same HTTP stack over :class:`FakeSession` (the GGUF gives only the tokenizer)."""
+    port = free_port()
+    env = {**os.environ, "DS4_MLX_TEST_HOOKS": "1", "PYTHONPATH": str(ROOT)}
+    entry = ("from tests.server_util import serve_fake; serve_fake()" if fake
+             else "from ds4_mlx.server.cli import main; main()")
+    cmd = [sys.executable, "-c", entry, "-m", str(model), "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stdout.read().decode(errors='replace')}")
+            try:
+                if httpx.get(base + "/health", timeout=2).json()["status"] == "ok":
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become ready")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        proc.stdout.close()
+
+
+def dsml_call(name: str, params: dict, *, prefix: str = "") -> str:
+    """Text of one DSML tool-call block as the model writes it (string params raw, others JSON)."""
+    import json
+
+    body = ""
+    for k, v in params.items():
+        if isinstance(v, str):
+            body += f'<{DSML}parameter name="{k}" string="true">{v}</{DSML}parameter>\n'
+        else:
+            body += f'<{DSML}parameter name="{k}" string="false">{json.dumps(v)}</{DSML}parameter>\n'
+    return (f'{prefix}\n\n<{DSML}tool_calls>\n<{DSML}invoke name="{name}">\n{body}</{DSML}invoke>\n'
+            f"</{DSML}tool_calls>")
+
+
+class FakeSession:
+    """Session-shaped stand-in with pseudo-random logits from (position, last token): microseconds per token."""
+
+    chunk_size = 64
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        self.logits = None
+
+    @property
+    def pos(self) -> int:
+        return len(self.tokens)
+
+    def _logits(self):
+        rng = np.random.default_rng(self.pos * 1_000_003 + (self.tokens[-1] if self.tokens else 0))
+        return rng.standard_normal(self.vocab).astype(np.float32) * 3
+
+    def prefill(self, tokens) -> np.ndarray:
+        self.tokens.extend(int(t) for t in tokens)
+        self.logits = self._logits()
+        return self.logits
+
+    def step(self, token: int) -> np.ndarray:
+        return self.prefill([token])
+
+
+def fake_loader(gguf: Path):
+    def load():
+        from ds4_mlx.gguf_file import open_gguf
+        from ds4_mlx.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf(open_gguf(gguf).tokenizer)
+        return FakeSession(tok.vocab_size), tok
+
+    return load
+
+
+def fake_app(gguf: Path, **cfg):
+    """An in-process ASGI app over the fake engine (its worker thread already started and loaded)."""
+    from ds4_mlx.server.app import ServerConfig, create_app
+    from ds4_mlx.server.worker import Worker
+
+    config = ServerConfig(**cfg)
+    worker = Worker(fake_loader(gguf), ctx=config.ctx, default_max_tokens=config.default_max_tokens)
+    worker.start()
+    worker.ready.wait(60)
+    return create_app(worker, config), worker
+
+
+def serve_fake(argv: list[str] | None = None) -> None:
+    """``serve`` with the fake engine: the real command line, but the model loader swapped."""
+    from ds4_mlx.server import cli
+
+    cli.model_loader = lambda path, ctx: fake_loader(path)
+    cli.main(argv)
