@@ -30,6 +30,11 @@ from .rope import Rope, apply_rope
 # Grouped output projection: below this many (token, group) pairs use one matmul against the whole
 # attn_output_a and keep the diagonal blocks (one op, weights read once); above it, one matmul per group.
 GROUPED_FULL_MAX_ROWS = 64
+# Prefill attention runs in blocks of queries whose score matrices fit in this many bytes.
+ATTN_BLOCK_BYTES = 1 << 28
+# With more than this many compressed rows per top-k slot, a prefill block gathers each query's selected
+# rows ([T, k, D]) instead of masking a [T, H, N] score matrix (decode always gathers).
+GATHER_MIN_ROWS_PER_K = 4
 
 
 @dataclass
@@ -145,47 +150,24 @@ class Attention:
         q = apply_rope(q, C[:, None, :], S[:, None, :])
         kv = kv_row(apply_rope(kv, C, S), self.numerics, self.nope)
 
-        # Raw window: the last W-1 carried rows + the chunk's rows; query p sees positions p-W+1 .. p.
+        # Raw window: the last W-1 carried rows + the chunk's rows; key j sits at position pos - keep + j.
         keep = min(cache.n_raw, W - 1)
         raw_keys = mx.concatenate([cache.raw[cache.n_raw - keep :], kv]) if keep else kv  # [keep+T, D]
-        raw_mask = None
-        if T > 1:
-            pk = pos - keep + np.arange(keep + T)  # key positions
-            pq = positions[:, None]
-            raw_mask = (pk[None, :] <= pq) & (pk[None, :] > pq - W)  # [T, keep+T]
 
-        comp_keys, comp_mask = None, None  # comp_mask: None (all visible), np or mx bool [T, Nc]
         if r:
             rows, cache.comp_state = self.compressor(n, pos, cache.comp_state)
             cache.comp, cache.n_comp = _append_rows(cache.comp, cache.n_comp, rows)
-            n_visible = (positions + 1) // r  # per query: compressed rows c < (p+1)//r
             if self.indexer is not None:
                 irows, cache.index_state = self.indexer.compressor(n, pos, cache.index_state)
                 cache.index, cache.n_index = _append_rows(cache.index, cache.n_index, irows)
-            if cache.n_comp:
-                comp_keys = cache.comp_rows
-                if self.indexer is not None and n_visible.max() > self.indexer.top_k:
-                    k = self.indexer.top_k
-                    scores = self.indexer.scores(qr, n, pos, cache.index_rows)  # [T, Nc]
-                    sel = select_top_k(scores, n_visible, k)  # [T, Nc]
-                    if T == 1:  # decode: attend to the k selected rows only
-                        comp_keys = comp_keys[selected_indices(sel, k)[0]]  # [k, D]
-                    else:
-                        comp_mask = sel
-                elif T > 1 and n_visible.min() < cache.n_comp:
-                    comp_mask = np.arange(cache.n_comp)[None, :] < n_visible[:, None]
 
-        keys = raw_keys if comp_keys is None else mx.concatenate([raw_keys, comp_keys])  # [M, D]
-        mask = None
-        if raw_mask is not None or comp_mask is not None:
-            parts = [mx.array(raw_mask) if raw_mask is not None else mx.ones((T, raw_keys.shape[0]), mx.bool_)]
-            if comp_keys is not None:
-                parts.append(
-                    mx.ones((T, comp_keys.shape[0]), mx.bool_) if comp_mask is None else mx.array(comp_mask)
-                )
-            mask = mx.concatenate(parts, axis=1)  # [T, M]
-
-        o = self._attend(q, keys, mask)  # [T, H, D]
+        # Attention, in blocks of queries so that score matrices stay bounded at long contexts.
+        B = self._query_block(T, keep, cache)
+        outs = []
+        for i0 in range(0, T, B):
+            i1 = min(T, i0 + B)
+            outs.append(self._attend_block(q[i0:i1], qr[i0:i1], n[i0:i1], pos, i0, raw_keys, keep, cache))
+        o = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [T, H, D]
         o = apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
         y = self.attn_output_b.matmul(self._grouped_output_a(o))  # [T, E]
 
@@ -193,15 +175,82 @@ class Attention:
         cache.pos = pos + T
         return y
 
-    def _attend(self, q: mx.array, keys: mx.array, mask: mx.array | None) -> mx.array:
-        """Softmax attention with a per-head sink logit in the denominator; K = V = ``keys [M, D]``."""
+    def _query_block(self, T: int, keep: int, cache: LayerCache) -> int:
+        """Queries per block: the [block, heads, keys] scores (and indexer dots) stay under ATTN_BLOCK_BYTES."""
+        keys = min(keep + T, self.n_swa + T) + (cache.n_comp if self.ratio else 0)
+        width = self.n_head * keys
+        if self.indexer is not None:
+            width = max(width, self.indexer.n_head * cache.n_index)
+        return max(1, min(T, ATTN_BLOCK_BYTES // (4 * max(1, width))))
+
+    def _attend_block(
+        self, q: mx.array, qr: mx.array, n: mx.array, pos: int, i0: int, raw_keys: mx.array, keep: int,
+        cache: LayerCache,
+    ) -> mx.array:  # fmt: skip
+        """Attention output ``[Tb, H, D]`` of the queries ``i0 .. i0+Tb-1`` of the chunk starting at ``pos``."""
+        Tb, W, r = q.shape[0], self.n_swa, self.ratio
+        pq = pos + i0 + np.arange(Tb)  # query positions
+
+        # Raw keys: the band of positions p-W+1 .. p over this block's queries.
+        j0, j1 = max(0, i0 + keep - (W - 1)), i0 + keep + Tb
+        raw = raw_keys[j0:j1]  # [Mr, D]
+        raw_mask = None
+        if Tb > 1:
+            pk = pos - keep + np.arange(j0, j1)
+            raw_mask = (pk[None, :] <= pq[:, None]) & (pk[None, :] > pq[:, None] - W)  # [Tb, Mr]
+
+        # Compressed keys: row c is visible to the query at p iff c < (p+1)//r.
+        comp, comp_mask, gathered = None, None, None
+        n_visible = (pq + 1) // r if r else None
+        if r and n_visible[-1] > 0:
+            nmax = int(n_visible[-1])
+            comp = cache.comp[:nmax]  # [Nc, D]
+            k = self.indexer.top_k if self.indexer is not None else 0
+            if self.indexer is not None and nmax > k:
+                scores = self.indexer.scores(qr, n, int(pq[0]), cache.index[:nmax])  # [Tb, Nc]
+                sel = select_top_k(scores, n_visible, k)  # [Tb, Nc]
+                if Tb == 1 or nmax >= GATHER_MIN_ROWS_PER_K * k:
+                    # Attend to each query's k selected rows only (queries seeing < k rows get a mask).
+                    idx = selected_indices(sel, k)  # [Tb, k]
+                    gathered = comp[idx]  # [Tb, k, D]
+                    if n_visible[0] < k:
+                        comp_mask = mx.take_along_axis(sel, idx, axis=1)  # [Tb, k]
+                    comp = None
+                else:
+                    comp_mask = sel
+            elif n_visible[0] < nmax:
+                comp_mask = mx.array(np.arange(nmax)[None, :] < n_visible[:, None])
+
+        return self._attend(q, raw, raw_mask, comp, gathered, comp_mask)
+
+    def _attend(
+        self, q: mx.array, raw: mx.array, raw_mask: np.ndarray | None, comp: mx.array | None,
+        gathered: mx.array | None, comp_mask: mx.array | None,
+    ) -> mx.array:  # fmt: skip
+        """Softmax attention with a per-head sink logit in the denominator; every key is its own value.
+
+        Keys: ``raw [Mr, D]`` shared by the queries, plus either ``comp [Nc, D]`` (shared) or ``gathered
+        [T, k, D]`` (per query); the masks are ``[T, Mr]`` and ``[T, Nc or k]`` (``None`` = all visible).
+        """
         T, H, _ = q.shape
-        s = (q @ keys.T) * self.scale  # [T, H, M]
-        if mask is not None:
-            s = mx.where(mask[:, None, :], s, -mx.inf)
-        sink = mx.broadcast_to(self.attn_sinks[None, :, None], (T, H, 1))
-        p = mx.softmax(mx.concatenate([sink, s], axis=-1), axis=-1)[..., 1:]  # the sink carries no value
-        return p @ keys  # [T, H, D]
+        s = [(q @ raw.T) * self.scale]  # [T, H, Mr]
+        masks = [mx.array(raw_mask) if raw_mask is not None else None]
+        if comp is not None:
+            s.append((q @ comp.T) * self.scale)  # [T, H, Nc]
+        if gathered is not None:
+            s.append((q @ gathered.swapaxes(1, 2)) * self.scale)  # [T, H, k]
+        masks.append(comp_mask)
+        logits = [mx.broadcast_to(self.attn_sinks[None, :, None], (T, H, 1))]
+        for part, m in zip(s, masks):
+            logits.append(part if m is None else mx.where(m[:, None, :], part, -mx.inf))
+        p = mx.softmax(mx.concatenate(logits, axis=-1), axis=-1)  # [T, H, 1+Mr+Nc]; the sink carries no value
+        Mr = raw.shape[0]
+        o = p[..., 1 : 1 + Mr] @ raw  # [T, H, D]
+        if comp is not None:
+            o = o + p[..., 1 + Mr :] @ comp
+        if gathered is not None:
+            o = o + p[..., 1 + Mr :] @ gathered  # [T, H, k] @ [T, k, D]
+        return o
 
     def _grouped_output_a(self, o: mx.array) -> mx.array:
         """``low [T, G*o_lora]``: group g (heads g*H/G ..) times its own o_lora rows of attn_output_a."""
