@@ -43,8 +43,8 @@ class LayerCache:
 
     ratio: int
     pos: int  # tokens consumed so far (= position of the next token)
-    raw: mx.array  # [min(pos, n_swa), D]  last raw KV rows, logical (position) order
-    comp: mx.array | None = None  # [capacity, D]  compressed rows; the first n_comp are valid
+    raw: mx.array  # [min(pos, n_swa), D]  last raw KV rows, logical (position) order (f16 with f16r, else f32)
+    comp: mx.array | None = None  # [capacity, D]  compressed rows; the first n_comp are valid (dtype as raw)
     n_comp: int = 0
     comp_state: CompressorState | None = None  # attention compressor frontier (f32)
     index: mx.array | None = None  # [capacity, 128]  indexer compressed rows (ratio 4)
@@ -87,10 +87,12 @@ def make_layer_cache(cfg: ModelConfig, il: int) -> LayerCache:
     return cache
 
 
-def _append_rows(buf: mx.array, n: int, rows: mx.array | None) -> tuple[mx.array, int]:
-    """Write ``rows`` after the first ``n`` rows of a capacity buffer (grown by doubling)."""
+def _append_rows(buf: mx.array, n: int, rows: mx.array | None, dtype=mx.float32) -> tuple[mx.array, int]:
+    """Write ``rows`` after the first ``n`` rows of a capacity buffer (grown by doubling), stored as ``dtype``."""
     if rows is None:
         return buf, n
+    if buf.dtype != dtype:
+        buf = buf.astype(dtype)
     k = rows.shape[0]
     if buf.shape[0] < n + k:
         cap = max(2 * buf.shape[0], n + k, 16)
@@ -109,6 +111,9 @@ class Attention:
         self.n_group, self.o_lora = cfg.n_out_group, cfg.o_lora_rank
         self.n_swa, self.eps, self.scale = cfg.n_swa, cfg.rms_eps, cfg.attn_scale
         self.rope = Rope.for_layer(cfg, il, recurrence=self.numerics.rope_recurrence)
+        # With f16r every cached KV row is f16-exact (MODEL.md §4.12), so f16 storage is lossless. Indexer rows
+        # stay f32: the indexer scan reads them all as f32 operands, and they are a quarter of the width.
+        self.kv_dtype = mx.float16 if self.numerics.f16_cache else mx.float32
 
         p = f"blk.{il}."
         self.attn_norm = weights[p + "attn_norm.weight"]  # [E]
@@ -156,7 +161,7 @@ class Attention:
 
         if r:
             rows, cache.comp_state = self.compressor(n, pos, cache.comp_state)
-            cache.comp, cache.n_comp = _append_rows(cache.comp, cache.n_comp, rows)
+            cache.comp, cache.n_comp = _append_rows(cache.comp, cache.n_comp, rows, self.kv_dtype)
             if self.indexer is not None:
                 irows, cache.index_state = self.indexer.compressor(n, pos, cache.index_state)
                 cache.index, cache.n_index = _append_rows(cache.index, cache.n_index, irows)
@@ -171,7 +176,7 @@ class Attention:
         o = apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
         y = self.attn_output_b.matmul(self._grouped_output_a(o))  # [T, E]
 
-        cache.raw = raw_keys[-W:] if raw_keys.shape[0] > W else raw_keys
+        cache.raw = (raw_keys[-W:] if raw_keys.shape[0] > W else raw_keys).astype(self.kv_dtype)
         cache.pos = pos + T
         return y
 
@@ -212,7 +217,7 @@ class Attention:
                 if Tb == 1 or nmax >= GATHER_MIN_ROWS_PER_K * k:
                     # Attend to each query's k selected rows only (queries seeing < k rows get a mask).
                     idx = selected_indices(sel, k)  # [Tb, k]
-                    gathered = comp[idx]  # [Tb, k, D]
+                    gathered = comp[idx].astype(mx.float32)  # [Tb, k, D]
                     if n_visible[0] < k:
                         comp_mask = mx.take_along_axis(sel, idx, axis=1)  # [Tb, k]
                     comp = None
@@ -221,6 +226,7 @@ class Attention:
             elif n_visible[0] < nmax:
                 comp_mask = mx.array(np.arange(nmax)[None, :] < n_visible[:, None])
 
+        comp = None if comp is None else comp.astype(mx.float32)
         return self._attend(q, raw, raw_mask, comp, gathered, comp_mask)
 
     def _attend(

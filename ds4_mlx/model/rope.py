@@ -131,10 +131,19 @@ def swap_pairs(x: mx.array) -> mx.array:
     return x.reshape(*shape[:-1], shape[-1] // 2, 2)[..., ::-1].reshape(shape)
 
 
+@mx.compile
+def _rotate(x: mx.array, C: mx.array, S: mx.array) -> mx.array:
+    return x * C + swap_pairs(x) * S
+
+
+@mx.compile
+def _rotate_inverse(x: mx.array, C: mx.array, S: mx.array) -> mx.array:
+    return x * C - swap_pairs(x) * S
+
+
 def apply_rope(x: mx.array, C: mx.array, S: mx.array, inverse: bool = False) -> mx.array:
     """Rotate the last ``n_rot`` dims of ``x [..., head_dim]`` with tables broadcastable to ``x``.
 
-    ``inverse`` negates the angle (ds4's inverse RoPE of the attention output).
+    ``inverse`` negates the angle (ds4's inverse RoPE of the attention output). Compiled: one fused kernel.
     """
-    xs = swap_pairs(x)
-    return x * C - xs * S if inverse else x * C + xs * S
+    return _rotate_inverse(x, C, S) if inverse else _rotate(x, C, S)
