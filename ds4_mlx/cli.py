@@ -14,8 +14,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
+from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
 from .gguf_file import DS4FormatError, open_gguf
 from .layout import decode_bytes_per_token, expected_tensors, optional_tensors
+from .sampling import SamplingParams
+from .session import Session
 
 app = typer.Typer(
     name="ds4-mlx",
@@ -112,6 +116,329 @@ def inspect(
         out.add_row(k, *(_fmt_bytes(per_ctx[c].get(k, 0)) for c in ctx))
     out.add_row("[bold]total", *(f"[bold]{_fmt_bytes(sum(per_ctx[c].values()))}" for c in ctx))
     console.print(out)
+
+
+# ---- generate / chat ---------------------------------------------------------------------------------
+
+DEFAULT_MODEL = Path("ds4flash.gguf")  # like ds4: the model file in the current directory
+DEFAULT_TOKENS = 50000  # ds4's -n
+DEMO_TOKENS = 100  # the demo model's text is random: keep its default short
+
+ModelOpt = typer.Option(None, "-m", "--model", help=f"DS4 GGUF to run (default ./{DEFAULT_MODEL}).")
+DemoOpt = typer.Option(False, "--demo", help="Use the built-in tiny random-weight demo model (built once, cached).")
+SystemOpt = typer.Option(DEFAULT_SYSTEM, "-sys", "--system", help="System prompt ('' for none).")
+TokensOpt = typer.Option(None, "-n", "--tokens", help=f"Max new tokens (default {DEFAULT_TOKENS}; {DEMO_TOKENS} with --demo).")
+CtxOpt = typer.Option(DEFAULT_CTX, "-c", "--ctx", help="Context size in tokens.")
+TempOpt = typer.Option(1.0, "--temp", help="Sampling temperature (0 = greedy).")
+TopPOpt = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off).")
+TopKOpt = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off).")
+MinPOpt = typer.Option(0.05, "--min-p", help="Drop tokens below min_p x the top probability.")
+SeedOpt = typer.Option(None, "--seed", help="Random seed (default: time based).")
+ThinkOpt = typer.Option(False, "--think", help="Thinking mode (the default).")
+NoThinkOpt = typer.Option(False, "--nothink", help="Non-thinking mode: answer directly.")
+ThinkMaxOpt = typer.Option(False, "--think-max", help="Think Max (needs --ctx >= 393216, else normal thinking).")
+
+
+def _model_path(model: Optional[Path], demo: bool) -> Path:
+    if demo:
+        from .demo import demo_model_path
+
+        return demo_model_path()
+    path = model or DEFAULT_MODEL
+    if not path.exists():
+        fail(
+            f"no model at {path}. Pass -m MODEL.gguf (a DeepSeek V4 Flash GGUF, e.g. from ds4's download_model.sh), "
+            "or try --demo (a tiny random-weight model), or write one with: ds4-mlx make-tiny tiny.gguf"
+        )
+    return path
+
+
+def _load(model: Optional[Path], demo: bool):
+    from .loader import load
+
+    try:
+        return load(_model_path(model, demo))
+    except DS4FormatError as e:
+        fail(str(e))
+
+
+def _think_mode(think: bool, nothink: bool, think_max: bool, ctx: int) -> ThinkMode:
+    if think + nothink + think_max > 1:
+        fail("choose one of --think, --nothink, --think-max")
+    mode = ThinkMode.NONE if nothink else ThinkMode.MAX if think_max else ThinkMode.HIGH
+    return resolve_think_mode(mode, ctx, warn=True)
+
+
+def _check_positive(**values: Optional[float]) -> None:
+    for name, v in values.items():
+        if v is not None and v <= 0:
+            fail(f"--{name.replace('_', '-')} must be > 0, got {v}")
+
+
+class _Printer:
+    """Streams generated text to stdout: reasoning grey on a terminal, a newline after it, no markers."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.in_reasoning = False
+        self.at_line_start = True
+
+    def write(self, text: str, reasoning: bool) -> None:
+        if reasoning != self.in_reasoning:
+            if self.tty and reasoning:
+                sys.stdout.write("\x1b[90m")
+            if not reasoning:
+                if self.tty:
+                    sys.stdout.write("\x1b[0m")
+                if not self.at_line_start:
+                    sys.stdout.write("\n")
+            self.in_reasoning = reasoning
+        if text:
+            sys.stdout.write(text)
+            self.at_line_start = text.endswith("\n")
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        self.write("", False)
+        if not self.at_line_start:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def _prefill_progress(n_tokens: int):
+    """A rich progress bar on stderr for long prompts (None when short or not a terminal)."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+    if n_tokens <= 512 or not sys.stderr.isatty():
+        return None, None
+    bar = Progress(TextColumn("prefill"), BarColumn(), TaskProgressColumn(), TextColumn("{task.completed}/{task.total} tokens"),
+                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task("prefill", total=n_tokens)
+    return bar, lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _run_generation(model, tok, ids: list[int], session, *, n: int, params, seed, ctx: int, printer: _Printer):
+    """Stream one generation to stdout; returns (generated ids, last response)."""
+    bar, progress = _prefill_progress(len(ids) - len(session.tokens))
+    out, last = [], None
+    try:
+        if bar:
+            bar.start()
+        for last in stream_generate(model, tok, ids, max_tokens=n, sampling=params, seed=seed, ctx=ctx,
+                                    session=session, progress=progress):
+            if bar and bar.live.is_started:
+                bar.stop()
+            if last.token is not None:
+                out.append(last.token)
+            printer.write(last.text, last.reasoning)
+    finally:
+        if bar:
+            bar.stop()
+        printer.close()
+    return out, last
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text (one-shot)."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", help="Read the prompt from a file."),
+    model: Optional[Path] = ModelOpt,
+    demo: bool = DemoOpt,
+    system: str = SystemOpt,
+    tokens: Optional[int] = TokensOpt,
+    ctx: int = CtxOpt,
+    temp: float = TempOpt,
+    top_p: float = TopPOpt,
+    top_k: int = TopKOpt,
+    min_p: float = MinPOpt,
+    seed: Optional[int] = SeedOpt,
+    think: bool = ThinkOpt,
+    nothink: bool = NoThinkOpt,
+    think_max: bool = ThinkMaxOpt,
+    dump_tokens: bool = typer.Option(False, "--dump-tokens", help="Print the prompt's token ids (specials recognized) and exit."),
+    dump_logprobs: Optional[Path] = typer.Option(None, "--dump-logprobs", help="Write a greedy continuation's top log-probs as JSON."),
+    logprobs_top_k: int = typer.Option(20, "--logprobs-top-k", help="Alternatives per step in --dump-logprobs (max 128)."),
+) -> None:
+    """Generate a continuation of one prompt, rendered as a DS4 chat turn (like `ds4 -p`).
+
+    The text streams to stdout; prefill/decode speed and peak memory go to stderr at the end.
+    """
+    if (prompt is None) == (prompt_file is None):
+        fail("give exactly one of -p/--prompt or --prompt-file")
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            fail(f"no such prompt file: {prompt_file}")
+        prompt = prompt_file.read_text(encoding="utf-8", errors="surrogateescape")
+    _check_positive(tokens=tokens, ctx=ctx, logprobs_top_k=logprobs_top_k)
+    if logprobs_top_k > 128:
+        fail(f"--logprobs-top-k must be <= 128, got {logprobs_top_k}")
+    if dump_tokens:
+        _dump_tokens(_model_path(model, demo), prompt)
+        return
+    mode = _think_mode(think, nothink, think_max, ctx)
+    n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
+    m, tok = _load(model, demo)
+    ids = prompt_tokens(tok, prompt, system=system, think=mode)
+    if len(ids) >= ctx:
+        fail(f"the prompt is {len(ids)} tokens, which does not fit --ctx {ctx}")
+    if dump_logprobs is not None:
+        _dump_logprobs(m, tok, ids, dump_logprobs, n=n, ctx=ctx, top_k=logprobs_top_k)
+        return
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    _, last = _run_generation(m, tok, ids, Session(m), n=n, params=params, seed=seed, ctx=ctx, printer=_Printer())
+    Console(stderr=True).print(stats_text(last), highlight=False)
+
+
+def _dump_tokens(path: Path, prompt: str) -> None:
+    """ds4's --dump-tokens: the prompt as written, specials recognized, then one line per token."""
+    from .tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer.from_gguf(open_gguf(path).tokenizer)
+    except DS4FormatError as e:
+        fail(str(e))
+    ids = tok.encode_chat(prompt)
+    print("[" + ", ".join(map(str, ids)) + "]")
+    for i in ids:
+        print(f"{i:6d}  {tok.tokens[i]}")
+
+
+def _dump_logprobs(model, tok, ids: list[int], out: Path, *, n: int, ctx: int, top_k: int) -> None:
+    """ds4's --dump-logprobs: greedy continuation, top-k log-softmax (float64) per step, as JSON."""
+    import json
+
+    import numpy as np
+
+    def token_json(t: int) -> dict:
+        raw = tok.token_bytes(t)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "".join(chr(b) if b < 0x80 else f"\\u00{b:02x}" for b in raw)
+        return {"id": t, "text": text, "bytes": list(raw)}
+
+    session = Session(model)
+    logits = session.prefill(ids)
+    steps = []
+    for step in range(min(n, ctx - len(ids) - 1)):
+        x = np.asarray(logits, dtype=np.float64)
+        lp = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        order = np.lexsort((np.arange(x.size), -x))[:top_k]
+        selected = int(order[0])
+        steps.append({"step": step, "selected": token_json(selected),
+                      "top_logprobs": [{"token": token_json(int(t)), "logit": float(x[t]), "logprob": float(lp[t])} for t in order]})
+        if selected == tok.eos_id:
+            break
+        logits = session.step(selected)
+    doc = {"source": "ds4-mlx", "prompt_tokens": len(ids), "ctx": ctx, "top_k": top_k, "steps": steps}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    Console(stderr=True).print(f"wrote {len(steps)} steps to {out}")
+
+
+CHAT_HELP = """commands: /think  /nothink  /think-max  /ctx N (new session)  /read FILE  /help  /quit (or /exit)
+Ctrl+C stops a generation; Ctrl+D quits."""
+
+
+@app.command()
+def chat(
+    model: Optional[Path] = ModelOpt,
+    demo: bool = DemoOpt,
+    system: str = SystemOpt,
+    tokens: Optional[int] = TokensOpt,
+    ctx: int = CtxOpt,
+    temp: float = TempOpt,
+    top_p: float = TopPOpt,
+    top_k: int = TopKOpt,
+    min_p: float = MinPOpt,
+    seed: Optional[int] = SeedOpt,
+    think: bool = ThinkOpt,
+    nothink: bool = NoThinkOpt,
+    think_max: bool = ThinkMaxOpt,
+) -> None:
+    """Interactive chat (REPL) that streams tokens and keeps the conversation in the live KV cache."""
+    _check_positive(tokens=tokens, ctx=ctx)
+    mode = _think_mode(think, nothink, think_max, ctx)
+    n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
+    m, tok = _load(model, demo)
+    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    try:
+        import readline
+
+        history = Path.home() / ".ds4_mlx_history"
+        if history.exists():
+            readline.read_history_file(history)
+    except (ImportError, OSError):
+        readline = None
+    session = Session(m)
+    transcript = repl_prefix_tokens(tok, system=system, mode=mode)
+    err = Console(stderr=True, soft_wrap=True)
+    err.print(f"ds4-mlx chat: {m.cfg.name or 'model'}, ctx {ctx}, mode {mode.value}. /help for commands.", highlight=False)
+    while True:
+        try:
+            line = input("ds4> ")
+        except EOFError:
+            print()
+            break
+        except KeyboardInterrupt:
+            print()
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            if cmd in ("/quit", "/exit"):
+                break
+            if cmd == "/help":
+                print(CHAT_HELP)
+                continue
+            if cmd in ("/think", "/nothink", "/think-max"):
+                new = {"/think": ThinkMode.HIGH, "/nothink": ThinkMode.NONE, "/think-max": ThinkMode.MAX}[cmd]
+                new = resolve_think_mode(new, ctx, warn=True)
+                if (new is ThinkMode.MAX) != (mode is ThinkMode.MAX):  # the prefix after BOS changes
+                    transcript = repl_prefix_tokens(tok, system=system, mode=new)
+                mode = new
+                print(f"mode: {mode.value}")
+                continue
+            if cmd == "/ctx":
+                if not arg.strip().isdigit() or int(arg) <= 0:
+                    print("usage: /ctx N (N > 0)")
+                    continue
+                ctx = int(arg)
+                session.reset()
+                transcript = repl_prefix_tokens(tok, system=system, mode=mode)
+                print(f"new session, ctx {ctx}")
+                continue
+            if cmd == "/read":
+                try:
+                    text = Path(arg.strip()).expanduser().read_text(encoding="utf-8", errors="surrogateescape")
+                except OSError as e:
+                    print(f"cannot read {arg.strip()!r}: {e}")
+                    continue
+            else:
+                print(f"unknown command {cmd}; /help lists them")
+                continue
+        turn = repl_turn_tokens(tok, text, mode=mode)
+        if len(transcript) + len(turn) >= ctx:
+            print(f"the conversation would exceed --ctx {ctx}; use /ctx N to start a new session")
+            continue
+        try:
+            generated, last = _run_generation(m, tok, transcript + turn, session, n=n, params=params, seed=seed,
+                                              ctx=ctx, printer=_Printer())
+            err.print(f"[dim]prompt {last.prompt_tokens} tokens ({last.cached_tokens} cached), "
+                      f"prefill {last.prompt_tps:.1f} t/s, generation {last.generation_tokens} tokens at "
+                      f"{last.generation_tps:.1f} t/s[/]", highlight=False)
+        except KeyboardInterrupt:  # keep what was generated; with nothing generated, roll the turn back (ds4)
+            generated = session.tokens[len(transcript) + len(turn):]
+            print("[interrupted]")
+            if not generated:
+                continue
+        transcript = transcript + turn + generated + [tok.eos_id]
+    if readline is not None:
+        try:
+            readline.write_history_file(history)
+        except OSError:
+            pass
 
 
 def _fmt_bytes(n: float) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,3 +55,102 @@ def test_console_script_subprocess(tmp_path):
     r = subprocess.run(cmd + ["inspect", str(out), "--ctx", "64"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "ctx 64" in r.stdout
+
+
+# ---- generate / chat ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def demo_env(tmp_path, monkeypatch):
+    """Point the demo-model cache at a temp dir (a fresh machine has none)."""
+    monkeypatch.setenv("DS4_MLX_CACHE", str(tmp_path / "cache"))
+    return {**os.environ, "DS4_MLX_CACHE": str(tmp_path / "cache")}
+
+
+def test_generate_demo_prints_text_and_stats(demo_env):
+    r = runner.invoke(app, ["generate", "--demo", "-p", "Hello", "-n", "6", "--seed", "1"])
+    assert r.exit_code == 0, r.output + r.stderr
+    assert r.stdout.strip()  # a continuation
+    assert "Generation: 6 tokens" in r.stderr and "Prompt:" in r.stderr and "Peak memory" in r.stderr
+    again = runner.invoke(app, ["generate", "--demo", "-p", "Hello", "-n", "6", "--seed", "1"])
+    assert again.stdout == r.stdout  # same seed, same text
+
+
+def test_generate_greedy_nothink_and_prompt_file(demo_env, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("Write a haiku about the sea.")
+    r = runner.invoke(app, ["generate", "--demo", "--prompt-file", str(f), "-n", "4", "--temp", "0", "--nothink"])
+    assert r.exit_code == 0, r.stderr
+    assert "Generation: " in r.stderr
+
+
+def test_generate_bad_input_exits_2(demo_env, tmp_path):
+    cases = [
+        (["generate", "-p", "hi", "-m", str(tmp_path / "none.gguf")], "no model at"),
+        (["generate", "--demo"], "exactly one of"),
+        (["generate", "--demo", "-p", "x", "--prompt-file", "y"], "exactly one of"),
+        (["generate", "--demo", "-p", "x", "-n", "0"], "--tokens must be > 0"),
+        (["generate", "--demo", "-p", "x", "--think", "--nothink"], "choose one of"),
+        (["generate", "--demo", "-p", "x" * 200, "--ctx", "16"], "does not fit --ctx 16"),
+        (["generate", "--demo", "--prompt-file", str(tmp_path / "missing.txt")], "no such prompt file"),
+    ]
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("not a model")
+    cases.append((["generate", "-m", str(bad), "-p", "x"], "not a GGUF file"))
+    for args, needle in cases:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2, (args, r.output, r.stderr)
+        assert needle in r.stderr and r.stderr.startswith("error:"), (args, r.stderr)
+
+
+def test_dump_tokens_and_logprobs(demo_env, tmp_path):
+    from ds4_mlx.demo import demo_model_path
+    from ds4_mlx.gguf_file import open_gguf
+    from ds4_mlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(open_gguf(demo_model_path()).tokenizer)
+    r = runner.invoke(app, ["generate", "--demo", "--dump-tokens", "-p", "<｜User｜>hi there"])
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    ids = tok.encode_chat("<｜User｜>hi there")
+    assert lines[0] == "[" + ", ".join(map(str, ids)) + "]" and ids[0] == tok.user_id
+    assert len(lines) == 1 + len(ids) and lines[1].split() == [str(ids[0]), "<｜User｜>"]
+
+    import json
+
+    out = tmp_path / "lp.json"
+    r = runner.invoke(app, ["generate", "--demo", "-p", "Hello", "-n", "3", "--dump-logprobs", str(out), "--logprobs-top-k", "5"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["top_k"] == 5 and doc["prompt_tokens"] > 3 and 1 <= len(doc["steps"]) <= 3
+    for step in doc["steps"]:
+        top = step["top_logprobs"]
+        assert len(top) == 5 and step["selected"] == top[0]["token"]  # greedy
+        lps = [t["logprob"] for t in top]
+        assert lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps)
+        assert bytes(top[0]["token"]["bytes"]) == tok.token_bytes(top[0]["token"]["id"])
+
+
+def test_chat_repl_over_stdin(demo_env, tmp_path):
+    f = tmp_path / "q.txt"
+    f.write_text("What is in this file?")
+    script = f"Hello there\n/nothink\n/read {f}\n/ctx 0\n/bogus\n/ctx 4096\nBye\n/quit\n"
+    r = subprocess.run([sys.executable, "-m", "ds4_mlx", "chat", "--demo", "-n", "4", "--seed", "1"], input=script,
+                       capture_output=True, text=True, timeout=300, env=demo_env)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.count("ds4> ") >= 8
+    assert "mode: none" in out and "usage: /ctx N" in out and "unknown command /bogus" in out
+    assert "new session, ctx 4096" in out
+    # three generations ran (Hello there, the /read file, Bye), one stats line each; the second turn reused
+    # the live KV of the first (cached > 0), /ctx started a fresh session for the third
+    stats = re.findall(r"prompt (\d+) tokens \((\d+) cached\)", r.stderr)
+    assert len(stats) == 3, r.stderr
+    (p1, c1), (p2, c2), (p3, c3) = [(int(a), int(b)) for a, b in stats]
+    assert c1 == 0 and c2 > p1 - 2 and c3 == 0
+
+
+def test_generate_subprocess(demo_env):
+    r = subprocess.run([sys.executable, "-m", "ds4_mlx", "generate", "--demo", "-p", "Hello", "-n", "3", "--seed", "4"],
+                       capture_output=True, text=True, timeout=300, env=demo_env)
+    assert r.returncode == 0, r.stderr
+    assert "Generation: 3 tokens" in r.stderr and r.stdout.strip()

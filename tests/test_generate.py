@@ -1,0 +1,120 @@
+"""generate / stream_generate on the tiny model: determinism, greedy = argmax chain, stop rules, session reuse."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from ds4_mlx.chat import ThinkMode
+from ds4_mlx.generate import generate, prompt_tokens, stream_generate
+from ds4_mlx.loader import load
+from ds4_mlx.sampling import GREEDY_PARAMS, Sampler, SamplingParams
+from ds4_mlx.session import Session
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf):
+    return load(tiny_gguf())
+
+
+def _run(model, prompt, **kw):
+    m, tok = model
+    return list(stream_generate(m, tok, prompt, **kw))
+
+
+def test_same_seed_same_tokens_other_seed_differs(model):
+    a = [r.token for r in _run(model, "Hello", max_tokens=8, seed=5)]
+    b = [r.token for r in _run(model, "Hello", max_tokens=8, seed=5)]
+    c = [r.token for r in _run(model, "Hello", max_tokens=8, seed=6)]
+    assert a == b and len(a) == 8
+    assert a != c
+
+
+def test_greedy_is_the_argmax_chain(model):
+    m, tok = model
+    out = _run(model, "The quick brown fox", max_tokens=8, sampling=GREEDY_PARAMS)
+    ids = prompt_tokens(tok, "The quick brown fox")
+    s = Session(m)
+    logits = s.prefill(ids)
+    want = []
+    for _ in range(8):
+        t = int(mx.argmax(logits).item())
+        if t == tok.eos_id:
+            break
+        want.append(t)
+        logits = s.step(t)
+    assert [r.token for r in out if r.token is not None] == want
+    assert out[-1].finish_reason == "length" and out[-1].generation_tokens == 8
+    text = "".join(r.text for r in out)
+    assert text == tok.decode([t for t in want if t not in (tok.think_id, tok.think_end_id)])
+
+
+def test_prompt_rendering_forms(model):
+    m, tok = model
+    ids = prompt_tokens(tok, "Hi", system="", think=ThinkMode.NONE)
+    assert ids == [tok.bos_id, tok.user_id, *tok.encode("Hi"), tok.assistant_id, tok.think_end_id]
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert prompt_tokens(tok, msgs, think="none") == [tok.bos_id, tok.user_id, *tok.encode("Hi"), tok.assistant_id,
+                                                      tok.think_end_id]
+    assert prompt_tokens(tok, [5, 6, 7]) == [5, 6, 7]
+
+
+def test_stop_string_truncates_before_it(model):
+    full = "".join(r.text for r in _run(model, "Hello", max_tokens=24, seed=3))
+    # a stop string of plain ASCII from the middle of the text (random text also holds U+FFFD replacements)
+    starts = [i for i in range(4, len(full) - 2) if full[i : i + 2].isascii() and full[i : i + 2].isprintable()]
+    assert starts, full
+    stop = full[starts[0] : starts[0] + 2]
+    cut = full.index(stop)
+    out = _run(model, "Hello", max_tokens=24, seed=3, stop=[stop])
+    assert out[-1].finish_reason == "stop"
+    assert "".join(r.text for r in out) == full[:cut]
+
+
+def test_context_limits(model):
+    m, tok = model
+    n = len(prompt_tokens(tok, "Hello"))
+    out = _run(model, "Hello", max_tokens=50, seed=1, ctx=n + 3)
+    assert out[-1].finish_reason == "length" and out[-1].generation_tokens <= 2
+    with pytest.raises(ValueError, match="free slot"):
+        _run(model, "Hello", ctx=n)
+
+
+def test_session_prefix_reuse_matches_fresh_run(model):
+    m, tok = model
+    s = Session(m)
+    first = prompt_tokens(tok, "Tell me a story")
+    _run(model, first, max_tokens=3, sampling=GREEDY_PARAMS, session=s)
+    longer = s.tokens + tok.encode(" and more")
+    reused = _run(model, longer, max_tokens=5, sampling=GREEDY_PARAMS, session=s)
+    fresh = _run(model, longer, max_tokens=5, sampling=GREEDY_PARAMS)
+    assert reused[0].cached_tokens == len(longer) - len(tok.encode(" and more"))
+    assert fresh[0].cached_tokens == 0
+    assert [r.token for r in reused] == [r.token for r in fresh]
+    # an unrelated prompt resets the session instead of reusing it
+    other = _run(model, "Something else", max_tokens=1, session=s, seed=1)
+    assert other[0].cached_tokens == 0
+
+
+def test_eos_and_think_markers(model, monkeypatch):
+    """EOS stops without being emitted; <think>/</think> switch the reasoning channel and print nothing."""
+    m, tok = model
+    a, b = tok.encode("ab")[0], tok.encode(" c")[0]
+    script = iter([a, tok.think_end_id, b, b, tok.eos_id])
+    monkeypatch.setattr(Sampler, "__call__", lambda self, logits, params=None: next(script))
+    out = _run(model, "Hi", max_tokens=10, think="high")
+    assert [r.token for r in out] == [a, tok.think_end_id, b, b, None]
+    assert [r.reasoning for r in out] == [True, True, False, False, False]
+    assert out[1].text == "" and out[-1].finish_reason == "stop" and out[-1].generation_tokens == 4
+    assert "".join(r.text for r in out) == tok.decode([a, b, b])
+
+
+def test_generate_returns_text_and_logprobs(model):
+    m, tok = model
+    text = generate(m, tok, "Hello", max_tokens=6, seed=2)
+    assert isinstance(text, str) and text
+    out = _run(model, "Hello", max_tokens=3, seed=2, logprobs=True, sampling=SamplingParams(temperature=0.7))
+    lp = out[0].logprobs
+    assert lp.shape == (m.cfg.n_vocab,)
+    assert abs(float(mx.logsumexp(lp).item())) < 1e-4
+    assert out[0].prompt_tps > 0 and out[-1].generation_tps > 0 and out[-1].peak_memory > 0
