@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode", type=int, default=None, help="decoded tokens timed (default 32 full / 8 tiny)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each component timing")
     ap.add_argument("--copy-gib", type=float, default=None, help="size of the bandwidth copy test")
+    ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick smoke runs)")
     ap.add_argument("--numerics", default="ds4")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
@@ -181,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict:
     copy_bytes = int((args.copy_gib or (4.0 if full else 0.25)) * 2**30)
 
     cfg = flash_config() if full else tiny_config()
+    if args.layers:
+        cfg = replace(cfg, n_layer=args.layers, n_hash_layer=min(cfg.n_hash_layer, args.layers),
+                      compress_ratios=cfg.compress_ratios[: args.layers], swiglu_clamp=cfg.swiglu_clamp[: args.layers])
     print(f"device {mx.default_device()}, kernels {kernel_backend()}, shape {args.shape}, experts {args.experts}, "
           f"numerics {args.numerics}", flush=True)
     t0 = time.perf_counter()
