@@ -24,7 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from .rope import Rope, apply_rope
+from ..kernels.fused import compressor_pool
+from .rope import Rope
 
 NEG = -1.0e30  # ds4's "minus infinity" for scores
 
@@ -84,7 +85,7 @@ class Compressor:
         Returns ``(rows, new_state)``: ``rows [nw, hd]`` are the finished rows of the windows completed in
         this chunk (in order; ``None`` if none), already normed, RoPE'd at their window start and rounded.
         """
-        r, hd, w = self.ratio, self.hd, self.width
+        r, w = self.ratio, self.width
         T = n.shape[0]
         kv_cur = self.wkv.matmul(n)  # [T, w]
         sc_cur = self.wgate.matmul(n) + self._ape_rows(pos, T)  # [T, w]
@@ -102,11 +103,11 @@ class Compressor:
             win_kv = seq_kv[: nw * r].reshape(nw, r, w)
             win_sc = seq_sc[: nw * r].reshape(nw, r, w)
             if self.coff == 2:
-                # lane A of the previous window (frontier rows 0..3 for the first one) + lane B of this one
+                # frontier layout per window: the previous window's rows (lane A is read) + its own (lane B)
                 prev_kv = mx.concatenate([state.kv[None, :r], win_kv[:-1]]) if nw > 1 else state.kv[None, :r]
                 prev_sc = mx.concatenate([state.score[None, :r], win_sc[:-1]]) if nw > 1 else state.score[None, :r]
-                ent_kv = mx.concatenate([prev_kv[..., :hd], win_kv[..., hd:]], axis=1)  # [nw, 2r, hd]
-                ent_sc = mx.concatenate([prev_sc[..., :hd], win_sc[..., hd:]], axis=1)
+                ent_kv = mx.concatenate([prev_kv, win_kv], axis=1)  # [nw, 2r, 2hd]
+                ent_sc = mx.concatenate([prev_sc, win_sc], axis=1)
             else:
                 ent_kv, ent_sc = win_kv, win_sc  # [nw, r, hd]
             rows = self._finish(ent_kv, ent_sc, (pos // r + np.arange(nw)) * r)  # RoPE at each window start
@@ -126,18 +127,13 @@ class Compressor:
         self, kv_cur: mx.array, sc_cur: mx.array, pos: int, state: CompressorState, row: int
     ) -> tuple[mx.array | None, CompressorState]:
         """T = 1: write the token into its frontier row; pool when it completes a window (same math as above)."""
-        r, hd = self.ratio, self.hd
+        r = self.ratio
         at = mx.array([row])
         kv = mx.slice_update(state.kv, kv_cur, at, axes=(0,))  # [coff*r, w]
         sc = mx.slice_update(state.score, sc_cur, at, axes=(0,))
         if (pos + 1) % r:
             return None, CompressorState(kv, sc)
-        if self.coff == 2:  # lane A of rows 0..3 (previous window), lane B of rows 4..7 (this one)
-            ent_kv = mx.concatenate([kv[:r, :hd], kv[r:, hd:]])[None]  # [1, 2r, hd]
-            ent_sc = mx.concatenate([sc[:r, :hd], sc[r:, hd:]])[None]
-        else:
-            ent_kv, ent_sc = kv[None], sc[None]  # [1, r, hd]
-        rows = self._finish(ent_kv, ent_sc, [pos + 1 - r])
+        rows = self._finish(kv[None], sc[None], [pos + 1 - r])  # the frontier is one window's entries
         if self.coff == 2:  # the finished window becomes "previous"; the new current one is empty
             w = self.width
             kv = mx.concatenate([kv[r:], mx.zeros((r, w), mx.float32)])
@@ -146,11 +142,16 @@ class Compressor:
         return rows, self.init_state()
 
     def _finish(self, ent_kv: mx.array, ent_sc: mx.array, starts) -> mx.array:
-        """Pool ``[nw, entries, hd]`` over the entries, norm, RoPE at the window starts, round -> ``[nw, hd]``."""
-        pooled = (mx.softmax(ent_sc, axis=1) * ent_kv).sum(axis=1)  # [nw, hd]
-        c = mx.fast.rms_norm(pooled, self.norm, self.eps)
+        """Pool finished windows, norm, RoPE at the window starts, round -> ``[nw, hd]``.
+
+        ``ent_kv``/``ent_sc``: ``[nw, r, hd]`` (ratio R) or, for ratio 4, ``[nw, 2r, 2hd]`` in frontier layout:
+        the softmax runs over lane A (first hd columns) of rows 0..r-1 and lane B (last hd) of rows r..2r-1.
+        ``compressor_pool`` is the fused GPU kernel; on the fallback backend it is the pure-MLX
+        ``softmax -> weighted sum -> rms_norm -> apply_rope``.
+        """
         C, S = self.rope.tables(starts, self.hd)
-        return self.finish_row(apply_rope(c, C, S))
+        c = compressor_pool(ent_kv, ent_sc, self.norm, C, S, self.eps, lanes=self.coff)
+        return self.finish_row(c)
 
     def _ape_rows(self, pos: int, T: int) -> mx.array:
         """``ape[p mod r]`` for p in pos..pos+T-1 -> ``[T, w]``."""
