@@ -13,6 +13,7 @@ count of the ties. When a query sees ``<= top_k`` rows, all of them are visible 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -53,17 +54,32 @@ def select_top_k(scores: mx.array, n_visible: np.ndarray, k: int) -> mx.array:
     Rows beyond ``n_visible`` are never selected; a query with ``n_visible <= k`` gets all its rows.
     """
     T, N = scores.shape
-    c = mx.arange(N)[None, :]
-    visible = c < mx.array(np.asarray(n_visible).reshape(T, 1), dtype=mx.int32)  # [T, N]
+    n_visible = np.asarray(n_visible).reshape(T, 1)
+    visible = None
+    if n_visible.min() < N:
+        scores, visible = _hide_invisible(scores, mx.array(n_visible, dtype=mx.int32))
     if N <= k:
-        return visible
-    s = mx.where(visible, scores, -mx.inf)
-    kth = mx.topk(s, k, axis=-1).min(axis=-1, keepdims=True)  # k-th largest value: order-free   [T, 1]
-    above = s > kth
-    tie = s == kth
+        return visible if visible is not None else mx.ones((T, N), mx.bool_)
+    kth = mx.topk(scores, k, axis=-1).min(axis=-1, keepdims=True)  # k-th largest value: order-free   [T, 1]
+    sel = _top_with_ties(scores, kth, mx.array(k, dtype=mx.int32))
+    return sel if visible is None else sel & visible
+
+
+@partial(mx.compile, shapeless=True)
+def _hide_invisible(scores: mx.array, n_visible: mx.array) -> tuple[mx.array, mx.array]:
+    """Scores of rows ``c >= n_visible`` set to -inf; also returns the visibility mask."""
+    c = mx.cumsum(mx.ones_like(scores, dtype=mx.int32), axis=-1) - 1  # row index (shapeless-friendly arange)
+    visible = c < n_visible
+    return mx.where(visible, scores, -mx.inf), visible
+
+
+@partial(mx.compile, shapeless=True)
+def _top_with_ties(scores: mx.array, kth: mx.array, k: mx.array) -> mx.array:
+    """Everything above the k-th largest value, plus the lowest-index ties that still fit."""
+    above = scores > kth
+    tie = scores == kth
     need = k - above.sum(axis=-1, keepdims=True)  # how many ties still fit
-    take_tie = tie & (mx.cumsum(tie.astype(mx.int32), axis=-1) <= need)  # lowest indices first
-    return visible & (above | take_tie)
+    return above | (tie & (mx.cumsum(tie.astype(mx.int32), axis=-1) <= need))
 
 
 def selected_indices(mask: mx.array, k: int) -> mx.array:
