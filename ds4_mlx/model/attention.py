@@ -28,7 +28,8 @@ from .indexer import Indexer, select_top_k, selected_indices
 from .rope import Rope, apply_rope
 
 # Grouped output projection: below this many (token, group) pairs use one matmul against the whole
-# attn_output_a and keep the diagonal blocks (one op, weights read once); above it, one matmul per group.
+# attn_output_a and keep the diagonal blocks (weights read once, G x the FLOPs: fine for decode); above it,
+# an expert-style gather_matmul over the G row blocks (no wasted FLOPs in prefill).
 GROUPED_FULL_MAX_ROWS = 64
 # Prefill attention runs in blocks of queries whose score matrices fit in this many bytes.
 ATTN_BLOCK_BYTES = 1 << 28
@@ -125,7 +126,7 @@ class Attention:
         self.attn_sinks = weights[p + "attn_sinks.weight"]  # [H]
         self.attn_output_a = weights[p + "attn_output_a.weight"]  # [G*o_lora, (H/G)*D]
         self.attn_output_b = weights[p + "attn_output_b.weight"]  # [E, G*o_lora]
-        self._output_a_groups: list | None = None
+        self._output_a_groups = None  # attn_output_a as (G, o_lora, in) "experts", for prefill
 
         self.compressor = self.indexer = None
         if self.ratio:
@@ -268,15 +269,14 @@ class Attention:
             diag = mx.arange(G).reshape(1, G, 1, 1)
             low = mx.take_along_axis(full, diag, axis=2)  # [T, G, 1, L]
         else:
-            low = mx.stack([w.matmul(og[:, g]) for g, w in enumerate(self._groups())], axis=1)  # [T, G, L]
+            # attn_output_a viewed as G "experts" of shape [L, (H/G)*D]; token t's slot g uses expert g.
+            ids = mx.broadcast_to(mx.arange(G, dtype=mx.int32)[None, :], (T, G))
+            low = self._output_a_grouped().gather_matmul(og, ids)  # [T, G, L]
         return low.reshape(T, G * L)
 
-    def _groups(self) -> list:
-        """attn_output_a split into its G row blocks (views of the same bytes), built on first use."""
+    def _output_a_grouped(self):
+        """attn_output_a as a 3-D ``(G, o_lora, (H/G)*D)`` weight over the same bytes (built on first use)."""
         if self._output_a_groups is None:
-            w, L = self.attn_output_a, self.o_lora
-            cls = type(w)
-            self._output_a_groups = [
-                cls(w.data[g * L : (g + 1) * L], w.qtype, (L, w.shape[1])) for g in range(self.n_group)
-            ]
+            w, G, L = self.attn_output_a, self.n_group, self.o_lora
+            self._output_a_groups = type(w)(w.data.reshape(G, L, *w.data.shape[1:]), w.qtype, (G, L, w.shape[1]))
         return self._output_a_groups
