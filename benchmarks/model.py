@@ -31,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4_mlx.config import ModelConfig  # noqa: E402
 from ds4_mlx.layout import EXPERT_VARIANTS, decode_bytes_per_token, expected_tensors  # noqa: E402
-from ds4_mlx.model.hyper import hc_post, hc_pre  # noqa: E402
-from ds4_mlx.model.model import Model  # noqa: E402
+from ds4_mlx.model.model import Model, hc_post, hc_pre  # noqa: E402  (the HC functions the model uses)
 from ds4_mlx.session import Session  # noqa: E402
 from ds4_mlx.testing import _SCALE_FIELDS, _unit_rms, flash_config, tiny_config  # noqa: E402
 from ds4_mlx.weights import QuantWeight, kernel_backend  # noqa: E402

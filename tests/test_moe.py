@@ -148,6 +148,17 @@ def test_topk_ties_go_to_lower_index():
     np.testing.assert_array_equal(got, want)
 
 
+def test_topk_blocked_rows(monkeypatch):
+    """Long prefills rank the tokens in blocks; the result must not depend on the block size."""
+    import ds4_mlx.model.moe as moe_mod
+
+    rng = np.random.default_rng(1)
+    scores = rng.integers(0, 3, size=(37, 16)).astype(np.float32)
+    monkeypatch.setattr(moe_mod, "RANK_MAX_ELEMS", 5 * 16 * 16)  # blocks of 5 tokens
+    got = np.array(topk_lowest_index(mx.array(scores), K))
+    np.testing.assert_array_equal(got, np.array([ref_topk(s, K) for s in scores]))
+
+
 def test_route_weights_floor_and_scale():
     cfg = _cfg()
     p = np.array([[3e-7, 1e-6, 2e-7, 5e-7, 1e-7, 4e-7], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]], np.float32)

@@ -14,8 +14,9 @@ import mlx.core as mx
 
 from ..config import ModelConfig
 from ..numerics import Numerics, get_numerics
+from ..kernels.fused import hc_post, hc_pre  # fused Metal/CUDA kernels; fall back to .hyper on CPU
 from .attention import Attention, LayerCache, make_layer_cache
-from .hyper import hc_head, hc_post, hc_pre
+from .hyper import hc_head
 from .moe import MoE
 
 

@@ -7,6 +7,7 @@ read; the expert tensors stay in their GGUF quantization.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -14,31 +15,39 @@ import mlx.core as mx
 from ..config import ModelConfig
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
+RANK_MAX_ELEMS = 1 << 25  # largest [T, N, N] comparison block of the top-k selection
 
 
+@mx.compile
 def sqrt_softplus(x: mx.array) -> mx.array:
     """``sqrt(softplus(x))`` with ds4's thresholds: softplus(x) = x if x > 20, exp(x) if x < -20."""
     sp = mx.where(x > 20.0, x, mx.where(x < -20.0, mx.exp(x), mx.log1p(mx.exp(mx.minimum(x, 20.0)))))
     return mx.sqrt(sp)
 
 
+@mx.compile
+def _ranks(scores: mx.array) -> mx.array:
+    """Rank of every entry of ``scores [T, N]`` in (score descending, index ascending) order: ``[T, N]``."""
+    N = scores.shape[-1]
+    idx = mx.arange(N)
+    this, other = scores[:, :, None], scores[:, None, :]  # [T, N, 1], [T, 1, N]
+    beats = (other > this) | ((other == this) & (idx[None, :] < idx[:, None]))  # [T, N, N]: e' ahead of e
+    return beats.astype(mx.int32).sum(axis=-1)  # a permutation of 0..N-1 per row
+
+
 def topk_lowest_index(scores: mx.array, k: int) -> mx.array:
     """Indices of the k largest ``scores [T, N]`` -> int32 ``[T, k]``, by descending score.
 
     Ties go to the lower index, as ds4's ``topk_desc()`` does (repeated strict-``>`` arg-max). MLX
-    documents no tie order for ``topk``/``argsort``, so the rule is implemented explicitly: each
-    round takes the smallest index among the current maxima, then masks it out.
+    documents no tie order for ``topk``/``argsort``, so the order is made explicit: each entry's rank
+    counts the entries ahead of it (higher score, or equal score and lower index). The ranks are
+    distinct, so sorting them is unambiguous. (O(N²) per token, a few kernels: N = 256 experts.)
     """
-    N = scores.shape[-1]
-    idx = mx.arange(N, dtype=mx.int32)  # [N]
-    s = scores
-    picks = []
-    for _ in range(k):
-        top = s.max(axis=-1, keepdims=True)  # [T, 1]
-        i = mx.where(s == top, idx, N).min(axis=-1)  # [T] lowest index among the maxima
-        picks.append(i)
-        s = mx.where(idx == i[:, None], -mx.inf, s)
-    return mx.stack(picks, axis=-1).astype(mx.int32)  # [T, k]
+    T, N = scores.shape
+    step = max(1, RANK_MAX_ELEMS // (N * N))  # bound the [T, N, N] comparison tensor in long prefills
+    ranks = [_ranks(scores[i : i + step]) for i in range(0, T, step)]
+    ranks = ranks[0] if len(ranks) == 1 else mx.concatenate(ranks)
+    return mx.argsort(ranks, axis=-1)[:, :k].astype(mx.int32)
 
 
 def route_weights(prob_sel: mx.array, cfg: ModelConfig) -> mx.array:
@@ -48,11 +57,22 @@ def route_weights(prob_sel: mx.array, cfg: ModelConfig) -> mx.array:
     return prob_sel * cfg.expert_weights_scale
 
 
+@mx.compile
+def _swiglu_clamped(g: mx.array, u: mx.array, clamp: mx.array) -> mx.array:
+    g = mx.minimum(g, clamp)
+    u = mx.clip(u, -clamp, clamp)
+    return g * mx.sigmoid(g) * u
+
+
+@lru_cache(maxsize=None)
+def _scalar(v: float) -> mx.array:
+    return mx.array(v, dtype=mx.float32)
+
+
 def swiglu(g: mx.array, u: mx.array, clamp: float) -> mx.array:
     """``silu(min(g, c)) * clamp(u, -c, c)`` (ds4 ``swiglu()``, applied to routed and shared experts)."""
     if clamp > 0:
-        g = mx.minimum(g, clamp)
-        u = mx.clip(u, -clamp, clamp)
+        return _swiglu_clamped(g, u, _scalar(float(clamp)))
     return g * mx.sigmoid(g) * u
 
 
