@@ -278,7 +278,7 @@ CASES = [  # (R of the config, layer index, tokens): ratio 0, 4, 16 and 128 laye
     pytest.param(16, 0, 40, id="ratio0"),
     pytest.param(16, 2, 45, id="ratio4"),
     pytest.param(16, 3, 45, id="ratio16"),
-    pytest.param(128, 3, 267, id="ratio128", marks=pytest.mark.slow),
+    pytest.param(128, 3, 267, id="ratio128"),
 ]
 
 
