@@ -11,7 +11,7 @@ Kernels:
 - ``mm``: tiled prefill matmul, dense or expert-gathered (``mul_mm_id`` over a sorted pair list): bf16 tiles,
   f32 accumulation (QUANTS.md §8 ruling 2).
 - Q8_0 2-D weights can instead run through MLX's own affine 8-bit kernels after a lossless repack
-  (``u = q + 128, scale = d, bias = -128 d``, QUANTS.md §4.3), see :func:`q8_0_affine`.
+  (``u = q + 128, scale = d, bias = -128 d``, QUANTS.md §4.3), see :func:`q8_0_affine` and :func:`q8_mode`.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ KERNEL_TYPES = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS, QT.F16, QT.BF16, QT.F32)
 
 #: Decode matvec tuning per type: (NR rows per simdgroup, NSG simdgroups per threadgroup).
 MV_CONFIG = {
+    # Measured on the H200 (benchmarks/RESULTS.md): NR 4 → 8 helped Q4_K (+33%) and NR 2 → 4 the Q8_0 LM
+    # head (+23%); IQ2_XXS at NR 16 and Q2_K at NR 8 were slower (registers / fewer blocks), so they stay at 4.
     QT.IQ2_XXS: (4, 2),
     QT.Q2_K: (4, 2),
-    QT.Q4_K: (2, 2),
-    QT.Q8_0: (2, 4),
+    QT.Q4_K: (8, 2),
+    QT.Q8_0: (4, 4),
     QT.F16: (2, 4),
     QT.BF16: (2, 4),
-    QT.F32: (2, 4),
+    QT.F32: (1, 4),
 }
 #: Token tile widths of the prefill kernel (dense and gathered).
 MM_BN_DENSE = 64
@@ -175,15 +177,23 @@ def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
 # --- dispatch -----------------------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=4096)
 def _params(*vals: int) -> mx.array:
+    """The int32[8] scalar block of a launch (cached: a fresh host array per call costs a copy)."""
     v = list(vals) + [0] * (8 - len(vals))
-    return mx.array(np.array(v, dtype=np.int32))
+    a = mx.array(np.array(v, dtype=np.int32))
+    mx.eval(a)
+    return a
 
 
-def _pad_ids(ids: mx.array) -> mx.array:
-    """Kernel index inputs get ≥ 8 elements (Metal turns smaller inputs into `constant` pointers)."""
-    ids = ids.reshape(-1).astype(mx.int32)
-    return ids if ids.size >= 8 else mx.concatenate([ids, mx.zeros((8 - ids.size,), dtype=mx.int32)])
+def _pad_ids(ids: mx.array, backend: str) -> mx.array:
+    """Metal turns inputs of < 8 elements into `constant` pointers: give index inputs ≥ 8 there."""
+    ids = ids.reshape(-1)
+    if ids.dtype != mx.int32:
+        ids = ids.astype(mx.int32)
+    if backend != "metal" or ids.size >= 8:
+        return ids
+    return mx.concatenate([ids, mx.zeros((8 - ids.size,), dtype=mx.int32)])
 
 
 _DUMMY = None
@@ -222,7 +232,7 @@ def mv(qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int
     kern = get_kernel("mv", backend)
     groups = -(-n_out // (nr * nsg))
     return kern(
-        inputs=[wb, x2, _pad_ids(ids) if gather else _dummy(), params],
+        inputs=[wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params],
         template=list(mv_template(qw.qtype, gather)),
         grid=(groups * 32 * nsg, 1, P),
         threadgroup=(32 * nsg, 1, 1),
@@ -284,7 +294,7 @@ def mm_gather(
     per_slot = int(x2.shape[0] == P and k_slots > 1)
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P)
     return get_kernel("mm", backend)(
-        inputs=[wb, x2, _pad_ids(order), tiles.reshape(-1), params],
+        inputs=[wb, x2, _pad_ids(order, backend), tiles.reshape(-1), params],
         template=list(mm_template(qw.qtype, bn, True)),
         grid=(tiles.shape[0] * 128, -(-n_out // 64), 1),
         threadgroup=(128, 1, 1),
@@ -321,8 +331,12 @@ def q8_0_affine(qw) -> tuple[mx.array, mx.array, mx.array]:
 
 
 def q8_mode() -> str:
-    """How 2-D Q8_0 weights run on GPU: ``affine`` (MLX repack, default) or ``custom`` ($DS4_MLX_Q8)."""
-    return os.environ.get("DS4_MLX_Q8", "affine").strip().lower()
+    """How 2-D Q8_0 weights run on GPU: ``custom`` (default) or ``affine`` (MLX repack), from $DS4_MLX_Q8.
+
+    On the H200 the custom kernels beat the repack at the large shapes (LM head matvec 1.77x, prefill 1.44x)
+    and need no second copy of the weights; the repack was faster only for the small 1024/2048×4096 matvecs.
+    """
+    return os.environ.get("DS4_MLX_Q8", "custom").strip().lower()
 
 
 # --- entry points used by QuantWeight -------------------------------------------------------------------------
@@ -332,7 +346,9 @@ def matmul(qw, x: mx.array, backend: str) -> mx.array:
     """``x @ W.T`` on the GPU backends: x [..., in] → float32 [..., out]."""
     lead = x.shape[:-1]
     n_in = qw.shape[-1]
-    x2 = x.reshape(-1, n_in).astype(mx.float32)
+    x2 = x.reshape(-1, n_in)
+    if x2.dtype != mx.float32:
+        x2 = x2.astype(mx.float32)
     N = x2.shape[0]
     if N == 0:
         return mx.zeros((*lead, qw.shape[0]), dtype=mx.float32)
@@ -356,8 +372,10 @@ def gather_matmul(qw, x: mx.array, ids: mx.array, backend: str) -> mx.array:
         return mx.zeros((N, k, n_out), dtype=mx.float32)
     if not supports(qw):
         return qw._fallback_gather_matmul(x, ids)
-    x2 = x.reshape(-1, n_in).astype(mx.float32)  # [N, in] shared or [N·k, in] per slot
-    flat = ids.reshape(-1).astype(mx.int32)
+    x2 = x.reshape(-1, n_in)  # [N, in] shared or [N·k, in] per slot
+    if x2.dtype != mx.float32:
+        x2 = x2.astype(mx.float32)
+    flat = ids.reshape(-1)
     if N <= MV_MAX_TOKENS:
         y = mv(qw, x2, backend, ids=flat, k_slots=k)
     else:

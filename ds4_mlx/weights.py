@@ -57,7 +57,7 @@ def _kernels():
     """``custom_kernels/``, installed as ``ds4_mlx.kernels``; in a source checkout, loaded from the repo."""
     try:
         from ds4_mlx import kernels
-    except ModuleNotFoundError:
+    except ImportError:
         import importlib.util
         import sys
         from pathlib import Path
