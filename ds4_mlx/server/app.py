@@ -116,6 +116,8 @@ class Server:
             await asyncio.sleep(0.05)
         if self.worker.load_error:
             raise APIError(503, f"model failed to load: {self.worker.load_error}", type="server_error")
+        if self.worker.stopping or not self.worker._thread.is_alive():
+            raise APIError(503, "server shutting down", type="server_error")
 
     def _render(self, req: ChatRequest) -> tuple[str, list[int]]:
         if req.kind == "completions":
@@ -298,11 +300,13 @@ def create_app(worker: Worker, cfg: ServerConfig, trace: Callable[[str], None] |
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if not worker._thread.is_alive() and not worker.ready.is_set():
+        owned = not worker._thread.is_alive() and not worker.ready.is_set()
+        if owned:  # started here -> stopped here; a worker started by the caller is the caller's to stop
             worker.start()
         yield
-        worker.stopping = True
-        worker.jobs.put(None)
+        if owned:
+            worker.stopping = True
+            worker.jobs.put(None)
 
     routes = [
         Route("/health", srv.health, methods=["GET"]),
