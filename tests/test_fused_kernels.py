@@ -321,12 +321,16 @@ def decode_rows_fused(comp: Compressor, n: mx.array, backend: str):
 
 @pytest.mark.parametrize("ratio,hd", [(4, 128), (16, 64)])
 def test_pool_wire_in_matches_compressor(ratio, hd, monkeypatch):
-    """compressor_pool on the decode frontier (lanes = coff) reproduces Compressor's emitted rows."""
+    """compressor_pool on the decode frontier (lanes = coff) reproduces Compressor's emitted rows.
+
+    On the CPU device: MLX-CUDA's f32 matmul differs from it by ~3e-4 relative (seen on the H200), which
+    would swamp the prefill-vs-decode comparison.
+    """
     monkeypatch.setenv("DS4_MLX_KERNELS", "fallback")
     comp = make_compressor(ratio, hd, seed=ratio)
     n = mx.random.normal((3 * ratio + 1, 64), key=mx.random.key(ratio))
-    ref, _ = comp(n, 0, comp.init_state())  # the graph's prefill path
-    close(decode_rows_fused(comp, n, "fallback"), ref, 1e-5)
+    ref = on_cpu(lambda: comp(n, 0, comp.init_state())[0])  # the graph's prefill path
+    close(on_cpu(decode_rows_fused, comp, n, "fallback"), ref, 1e-5)
 
 
 # --- GPU: kernels vs fallback -----------------------------------------------------------------------------
