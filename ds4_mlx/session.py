@@ -15,6 +15,10 @@ import mlx.core as mx
 from .model.model import Model
 
 DEFAULT_CHUNK = 512
+# Decode evaluates only the logits; the cache arrays (lazy results of the same graph) are materialized every
+# this many steps, so unused state (e.g. indexer rows below top-k) never builds long lazy chains, without
+# paying the Python walk over every layer's state on each token.
+STATE_EVAL_EVERY = 16
 
 
 def _arrays(obj, out: list | None = None) -> list[mx.array]:
@@ -62,6 +66,7 @@ class Session:
         self.caches = self.model.make_cache()
         self.tokens: list[int] = []
         self.logits: mx.array | None = None
+        self._lazy_steps = 0
 
     @property
     def pos(self) -> int:
@@ -69,7 +74,12 @@ class Session:
 
     def _run(self, tokens: list[int]) -> mx.array:
         logits = self.model(tokens, self.pos, self.caches)
-        mx.eval(logits, _arrays(self.caches))  # also materialize the cache state so graphs never chain across calls
+        self._lazy_steps += 1
+        if len(tokens) > 1 or self._lazy_steps >= STATE_EVAL_EVERY:
+            mx.eval(logits, _arrays(self.caches))
+            self._lazy_steps = 0
+        else:
+            mx.eval(logits)
         self.tokens.extend(tokens)
         self.logits = logits
         return logits
