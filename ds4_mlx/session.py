@@ -64,23 +64,31 @@ class Session:
     def reset(self) -> None:
         """Forget everything: empty caches, no tokens, no logits."""
         self.caches = self.model.make_cache()
-        self.tokens: list[int] = []
+        self._tokens: list[int | mx.array] = []  # an mx.array entry is a token queued by a pipelined step
         self.logits: mx.array | None = None
         self._lazy_steps = 0
 
     @property
-    def pos(self) -> int:
-        return len(self.tokens)
+    def tokens(self) -> list[int]:
+        """The ids processed so far (waits for pipelined steps' tokens if there are any)."""
+        if any(isinstance(t, mx.array) for t in self._tokens):
+            self._tokens = [int(t.item()) if isinstance(t, mx.array) else t for t in self._tokens]
+        return list(self._tokens)
 
-    def _run(self, tokens: list[int]) -> mx.array:
+    @property
+    def pos(self) -> int:
+        return len(self._tokens)
+
+    def _run(self, tokens: list[int] | mx.array, wait: bool = True) -> mx.array:
+        n = len(tokens) if isinstance(tokens, list) else tokens.shape[0]
         logits = self.model(tokens, self.pos, self.caches)
         self._lazy_steps += 1
-        if len(tokens) > 1 or self._lazy_steps >= STATE_EVAL_EVERY:
-            mx.eval(logits, _arrays(self.caches))
+        work = [logits]
+        if n > 1 or self._lazy_steps >= STATE_EVAL_EVERY:
+            work.append(_arrays(self.caches))  # materialize the state too, so lazy chains stay short
             self._lazy_steps = 0
-        else:
-            mx.eval(logits)
-        self.tokens.extend(tokens)
+        (mx.eval if wait else mx.async_eval)(work)
+        self._tokens.extend(tokens if isinstance(tokens, list) else [tokens[0]])
         self.logits = logits
         return logits
 
@@ -97,8 +105,16 @@ class Session:
             self._run(tokens[i : i + step])
         return self.logits
 
-    def step(self, token: int) -> mx.array:
-        """Decode one token; returns the next-token logits ``[V]``."""
+    def step(self, token: int | mx.array) -> mx.array:
+        """Decode one token; returns the next-token logits ``[V]``.
+
+        ``token`` may be an ``mx.array`` scalar still being computed (e.g. sampled lazily from the previous
+        logits). Then nothing waits: the step is queued with ``mx.async_eval`` and its logits are returned
+        unevaluated, so the caller can build the next step while the device runs this one (mlx-lm style
+        pipelining). Reading ``tokens`` or the logits' values waits for the queued work.
+        """
+        if isinstance(token, mx.array):
+            return self._run(token.reshape(1).astype(mx.int32), wait=False)
         return self._run([int(token)])
 
     def snapshot(self) -> SessionSnapshot:
@@ -108,7 +124,7 @@ class Session:
     def restore(self, snap: SessionSnapshot) -> None:
         """Return to ``snap`` (which stays usable: it can be restored again)."""
         self.caches = [c.snapshot() for c in snap.caches]
-        self.tokens = list(snap.tokens)
+        self._tokens = list(snap.tokens)
         self.logits = snap.logits
 
     @property

@@ -57,7 +57,7 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
     out = tmp_path / "res.json"
     res = bench.main(["--shape", "tiny", "--prefill", "23", "--chunk", "10", "--decode", "2", "--reps", "1",
                       "--json", str(out)])
-    assert json.loads(out.read_text())["decode_ctx"] == 23 + 2 + 2  # prompt + warm-up + timed tokens
+    assert json.loads(out.read_text())["decode_ctx"] == 23 + 2 + 2 + 2  # prompt + warm-up + sync + pipelined
     assert res["decode_ms"] > 0 and res["prefill_tok_s"] > 0 and 0 < res["floor_ratio"]
     assert set(res["components_ms"]) == {"attention", "moe", "hc", "output head"}
     assert all(v > 0 for v in res["components_ms"].values())

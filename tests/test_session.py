@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -72,3 +73,24 @@ def test_snapshot_restore(model):
 def test_prefill_rejects_empty(model):
     with pytest.raises(ValueError):
         Session(model).prefill([])
+
+
+def test_pipelined_steps_match_plain_steps(model):
+    """step() with lazily computed tokens (greedy argmax, never synced in the loop) == step() with ints."""
+    tokens = prompt(20)
+    s1 = Session(model)
+    s1.prefill(tokens)
+    want = [np.array(s1.logits)]
+    for _ in range(6):
+        want.append(np.array(s1.step(int(np.argmax(want[-1])))))
+
+    s2 = Session(model)
+    s2.prefill(tokens)
+    tok, got = mx.argmax(s2.logits), []
+    for _ in range(6):
+        logits = s2.step(tok)  # queued, not waited for
+        got.append(logits)
+        tok = mx.argmax(logits)
+    assert s2.pos == 26
+    assert s2.tokens == s1.tokens  # resolves the queued ids
+    np.testing.assert_array_equal(np.stack([np.array(g) for g in got]), np.stack(want[1:]))
