@@ -441,6 +441,15 @@ def chat(
             pass
 
 
+def _register_serve() -> None:
+    from .server.cli import serve
+
+    app.command("serve")(serve)
+
+
+_register_serve()
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:

@@ -154,3 +154,13 @@ def test_generate_subprocess(demo_env):
                        capture_output=True, text=True, timeout=300, env=demo_env)
     assert r.returncode == 0, r.stderr
     assert "Generation: 3 tokens" in r.stderr and r.stdout.strip()
+
+
+def test_serve_rejects_a_bad_model_before_binding(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(10))
+    r = subprocess.run([sys.executable, "-m", "ds4_mlx", "serve", "-m", str(bad), "--port", "0"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "truncated or corrupt" in r.stderr
+    r = runner.invoke(app, ["serve", "--help"])
+    assert r.exit_code == 0 and "--api-key" in r.output and "--demo" in r.output

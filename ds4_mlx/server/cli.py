@@ -110,6 +110,13 @@ def serve(
         typer.echo(f"error: model file {model} not found (pass -m PATH, or --demo for the built-in tiny model)",
                    err=True)
         raise typer.Exit(2)
+    try:  # validate before binding the port: a bad file is a clear error, not a server that answers 503
+        from ..gguf_file import open_gguf
+
+        open_gguf(model)
+    except ValueError as e:  # DS4FormatError
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
     run_server(model_loader(model, ctx), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
                default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
                cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,
