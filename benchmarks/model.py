@@ -40,16 +40,33 @@ from ds4_mlx.weights import QuantWeight, kernel_backend  # noqa: E402
 
 
 def random_block_bytes(qtype: T, shape: tuple[int, ...], std: float) -> mx.array:
-    """Random valid blocks (uniform bytes, finite f16 scales) whose values have std ≈ ``std``; built on device."""
+    """Random valid blocks (uniform bytes, finite f16 scales) whose values have std ≈ ``std``; built on device.
+
+    Same recipe as ``benchmarks/kernels.py`` (int32 randint, cast, f16 scale columns spliced in with one
+    concatenate), which MLX-CUDA runs at 0.7 GB per tensor; an in-place slice update of the scale bytes
+    failed to launch there (``cudaGraphAddKernelNode ... invalid argument``).
+    """
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(shape)) // block
-    raw = mx.random.randint(0, 256, (n_blocks, block_bytes), dtype=mx.uint8)
+    raw = mx.random.randint(0, 256, (n_blocks, block_bytes)).astype(mx.uint8)
     d_off, m_off, m_ratio = _SCALE_FIELDS[qtype]  # the factory's calibration (zero-mean values)
     d = std / _unit_rms(qtype)
-    raw[:, d_off : d_off + 2] = mx.array(np.array([d], np.float16).view(np.uint8))
-    if m_off is not None:
-        raw[:, m_off : m_off + 2] = mx.array(np.array([d * m_ratio], np.float16).view(np.uint8))
-    return raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
+    fields = {d_off: d} if m_off is None else {d_off: d, m_off: d * m_ratio}
+    cols, pos = [], 0
+    for off in sorted(fields):
+        f16 = mx.array(np.array([fields[off]], np.float16).view(np.uint8))
+        cols += [raw[:, pos:off], mx.broadcast_to(f16, (n_blocks, 2))]
+        pos = off + 2
+    cols.append(raw[:, pos:])
+    return mx.concatenate(cols, axis=1).reshape(*shape[:-1], shape[-1] // block * block_bytes)
+
+
+def random_dense(shape: tuple[int, ...], std: float, dtype) -> mx.array:
+    """Gaussian weights; the 0.5 G-element embedding is drawn on the host (MLX-CUDA failed to launch it)."""
+    if int(np.prod(shape)) > 1 << 26:
+        host = np.random.default_rng(0).standard_normal(shape, dtype=np.float32) * std
+        return mx.array(host.astype(np.float16 if dtype == mx.float16 else np.float32))
+    return (std * mx.random.normal(shape)).astype(dtype)
 
 
 def _vector(short: str, shape: tuple[int, ...]) -> mx.array:
@@ -77,18 +94,22 @@ def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict
         if spec.component == "experts":
             qtype = {"ffn_gate_exps": gate_t, "ffn_up_exps": up_t, "ffn_down_exps": down_t}[short]
         if qtype == T.I32:  # tid2eid: distinct experts per token
-            v = mx.argsort(mx.random.uniform(shape=(shape[0], cfg.n_expert)), axis=-1)[:, : shape[1]]
-            out[name] = v.astype(mx.int32)
+            # on the host: MLX-CUDA's sort fails to launch for more than 65535 rows (grid y limit)
+            rows = np.argsort(np.random.default_rng(seed).random((shape[0], cfg.n_expert)), axis=1)[:, : shape[1]]
+            out[name] = mx.array(rows.astype(np.int32))
         elif len(shape) == 1:
             out[name] = _vector(short, shape)
         else:
             std = 1.0 if name == "token_embd.weight" else (0.5 if short.endswith("_ape") else shape[-1] ** -0.5)
             if qtype in (T.F16, T.F32):
-                data = (std * mx.random.normal(shape)).astype(mx.float16 if qtype == T.F16 else mx.float32)
+                data = random_dense(shape, std, mx.float16 if qtype == T.F16 else mx.float32)
             else:
                 data = random_block_bytes(qtype, shape, std)
             out[name] = QuantWeight(data, qtype, shape)
-        mx.eval(out[name].data if isinstance(out[name], QuantWeight) else out[name])
+        try:
+            mx.eval(out[name].data if isinstance(out[name], QuantWeight) else out[name])
+        except RuntimeError as e:
+            raise RuntimeError(f"building {name} {shape} {qtype.name}: {e}") from None
     return out
 
 
