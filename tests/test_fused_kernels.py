@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,6 +27,8 @@ from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend
 
 kernels = _kernels()
 from ds4_mlx.kernels import fused  # noqa: E402  (after _kernels() registers the package in a source checkout)
+
+from kernel_util import render_metal_sources  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKEND = kernel_backend()
@@ -100,25 +100,11 @@ for i, (kind, template) in enumerate(fused.instantiations()):
 """
 
 
-def render_metal_sources() -> dict[str, str]:
-    """{tag: Metal source exactly as MLX prints it} (``verbose=True`` under ``mx.export_function``)."""
-    r = subprocess.run([sys.executable, "-c", RENDER_METAL, str(ROOT)], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = {}
-    for chunk in r.stdout.split("@@@ ")[1:]:
-        tag, rest = chunk.split("\n", 1)
-        m = re.search(r"```\n(.*?)```", rest, re.S)
-        assert m, f"no generated source printed for {tag}"
-        out[tag] = m.group(1)
-    return out
-
-
 def test_metal_instantiations_typecheck(tmp_path):
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not found")
-    sources = render_metal_sources()
+    sources = render_metal_sources(RENDER_METAL)
     assert sorted(sources) == sorted(fused.tag(k, t) for k, t in fused.instantiations())
     for tag, src in sources.items():
         assert "#define DS_METAL" in src and "[[kernel]]" in src and "template [[host_name(" in src

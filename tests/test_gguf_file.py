@@ -71,7 +71,6 @@ def test_load_weights_kinds(tiny_gguf):
 
 def _bad_files(tmp):
     """(label, path, substrings the message must contain) for every validation error."""
-    cfg = tiny_config()
     good = _write(tmp / "good.gguf")
     data = good.read_bytes()
     cases = []

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx import quants, weights
 from ds4_mlx.weights import QuantWeight, _kernels
+from kernel_util import make_weight
 
 kernels = _kernels()
 
@@ -30,17 +31,6 @@ def _gpu_backend() -> str:
 
 BACKEND = _gpu_backend()
 needs_gpu = pytest.mark.skipif(BACKEND == "fallback", reason="no Metal/CUDA backend here: kernels not run")
-
-
-def make_weight(rng, qt: QT, shape):
-    if qt in quants.BLOCK_TYPES:
-        raw = quants.random_blocks(rng, qt, shape)
-        ref = gguf.quants.dequantize(raw, qt)
-    else:
-        x = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-        raw = {QT.F32: x, QT.F16: x.astype(np.float16), QT.BF16: (x.view(np.uint32) >> 16).astype(np.uint16)}[qt]
-        ref = gguf.quants.dequantize(raw.view(np.uint8) if qt == QT.BF16 else raw, qt).reshape(shape)
-    return QuantWeight.from_numpy(raw, qt, shape), ref.astype(np.float32)
 
 
 def bf16(a: np.ndarray) -> np.ndarray:
@@ -90,7 +80,7 @@ def test_route_tiles(ids, bn):
 
 def test_q8_0_affine_repack_is_exact():
     rng = np.random.default_rng(20)
-    w, ref = make_weight(rng, QT.Q8_0, (48, 256))
+    w, ref = make_weight(rng, QT.Q8_0, (48, 256), np.float32)
     b = np.array(w.data).reshape(-1, 34)
     b[:3, :2] = np.array([0.0, -0.03125, 2.0**-20], dtype=np.float16).view(np.uint8).reshape(3, 2)
     b[3, 2:] = 0x80  # q = -128
@@ -127,7 +117,7 @@ ALL = kernels.KERNEL_TYPES
 @pytest.mark.parametrize("N", [1, 2, 5, 8])
 def test_mv_dense(qt, N):
     rng = np.random.default_rng(int(qt) * 100 + N)
-    w, ref = make_weight(rng, qt, (75, n_in_for(qt)))
+    w, ref = make_weight(rng, qt, (75, n_in_for(qt)), np.float32)
     x = rng.standard_normal((N, w.shape[1])).astype(np.float32)
     y = np.array(kernels.mv(w, mx.array(x), BACKEND, init=NAN))
     assert y.shape == (N, 75) and not np.isnan(y).any()
@@ -139,7 +129,7 @@ def test_mv_dense(qt, N):
 @pytest.mark.parametrize("N,bn", [(9, 64), (33, 64), (100, 32), (512, 64), (17, 16)])
 def test_mm_dense(qt, N, bn):
     rng = np.random.default_rng(int(qt) * 1000 + N)
-    w, ref = make_weight(rng, qt, (75, n_in_for(qt)))
+    w, ref = make_weight(rng, qt, (75, n_in_for(qt)), np.float32)
     x = rng.standard_normal((N, w.shape[1])).astype(np.float32)
     y = np.array(kernels.mm_dense(w, mx.array(x), BACKEND, bn=bn, init=NAN))
     assert y.shape == (N, 75) and not np.isnan(y).any()
@@ -166,7 +156,7 @@ GATHER_CASES = {
 def test_gather(qt, case, per_slot):
     rng = np.random.default_rng(int(qt) * 7 + len(case))
     E, out = 16, 75
-    w, ref = make_weight(rng, qt, (E, out, n_in_for(qt)))
+    w, ref = make_weight(rng, qt, (E, out, n_in_for(qt)), np.float32)
     ids = GATHER_CASES[case](rng).astype(np.int32)
     N, k = ids.shape
     x = rng.standard_normal((N, k, w.shape[2]) if per_slot else (N, w.shape[2])).astype(np.float32)
@@ -195,7 +185,7 @@ def test_gather(qt, case, per_slot):
 def test_quantweight_matmul_dispatch(qt, N):
     """QuantWeight.matmul on the GPU backend (custom kernels, or the Q8_0 affine repack)."""
     rng = np.random.default_rng(int(qt) + 5 * N)
-    w, ref = make_weight(rng, qt, (130, n_in_for(qt)))
+    w, ref = make_weight(rng, qt, (130, n_in_for(qt)), np.float32)
     x = rng.standard_normal((N, w.shape[1])).astype(np.float32)
     weights.set_kernel_backend(None)
     y = np.array(w.matmul(mx.array(x)))
@@ -214,7 +204,7 @@ def test_quantweight_matmul_dispatch(qt, N):
 def test_warp_is_32_lanes():
     """The prologue assumes 32-lane simdgroups/warps (QUANTS.md §3.4): a 1-unit row summed by lane 0..31."""
     rng = np.random.default_rng(9)
-    w, ref = make_weight(rng, QT.F32, (4, 32 * 64))
+    w, ref = make_weight(rng, QT.F32, (4, 32 * 64), np.float32)
     x = rng.standard_normal((1, 32 * 64)).astype(np.float32)
     y = np.array(kernels.mv(w, mx.array(x), BACKEND, init=NAN))
     assert rel_err(y, x, ref, "ni,oi->no") <= F32_TOL

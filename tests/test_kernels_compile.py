@@ -7,15 +7,15 @@ All instantiations go into one translation unit per backend to keep the checks f
 """
 
 import os
-import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ds4_mlx.weights import _kernels
+
+from kernel_util import render_metal_sources  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 kernels = _kernels()
@@ -41,27 +41,12 @@ for i, inst in enumerate(k.instantiations()):
 """
 
 
-def render_metal_sources() -> dict[str, str]:
-    """{instantiation tag: Metal source exactly as MLX prints it}."""
-    r = subprocess.run(
-        [sys.executable, "-c", RENDER_METAL, str(ROOT)], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = {}
-    for chunk in r.stdout.split("@@@ ")[1:]:
-        tag, rest = chunk.split("\n", 1)
-        m = re.search(r"```\n(.*?)```", rest, re.S)
-        assert m, f"no generated source printed for {tag}"
-        out[tag] = m.group(1)
-    return out
-
-
 @pytest.mark.slow
 def test_metal_instantiations_typecheck(tmp_path):
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not found")
-    sources = render_metal_sources()
+    sources = render_metal_sources(RENDER_METAL)
     insts = kernels.instantiations()
     assert sorted(sources) == sorted(i.tag for i in insts)
     for tag, src in sources.items():  # MLX's own text: our header, prologue and template are in it

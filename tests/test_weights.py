@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx import quants, weights
 from ds4_mlx.weights import QuantWeight
+from kernel_util import make_weight
 
 F32_TOL = 1e-6  # f32 weights × f32 x, f32 accumulation: max err / Σ|w·x|
 if mx.default_device() == mx.gpu and mx.cuda.is_available():
@@ -21,19 +22,6 @@ def _fallback_backend():
     weights.set_kernel_backend("fallback")
     yield
     weights.set_kernel_backend(None)
-
-
-def make_weight(rng, qt: QT, shape) -> tuple[QuantWeight, np.ndarray]:
-    """A random valid weight and its float64 reference values (gguf-py's dequantization)."""
-    shape = tuple(shape)
-    if qt in quants.BLOCK_TYPES:
-        raw = quants.random_blocks(rng, qt, shape)
-        ref = gguf.quants.dequantize(raw, qt)
-    else:
-        x = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-        raw = {QT.F32: x, QT.F16: x.astype(np.float16), QT.BF16: (x.view(np.uint32) >> 16).astype(np.uint16)}[qt]
-        ref = gguf.quants.dequantize(raw.view(np.uint8) if qt == QT.BF16 else raw, qt).reshape(shape)
-    return QuantWeight.from_numpy(raw, qt, shape), ref.astype(np.float64)
 
 
 def rel_err(y: np.ndarray, x: np.ndarray, w: np.ndarray, einsum: str) -> float:
