@@ -20,98 +20,18 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds4_mlx.config import ModelConfig  # noqa: E402
-from ds4_mlx.layout import EXPERT_VARIANTS, decode_bytes_per_token, expected_tensors  # noqa: E402
+from ds4_mlx.layout import EXPERT_VARIANTS, decode_bytes_per_token  # noqa: E402
 from ds4_mlx.model.model import Model, hc_post, hc_pre  # noqa: E402  (the HC functions the model uses)
 from ds4_mlx.session import Session  # noqa: E402
-from ds4_mlx.testing import _SCALE_FIELDS, _unit_rms, flash_config, tiny_config  # noqa: E402
-from ds4_mlx.weights import QuantWeight, kernel_backend  # noqa: E402
-
-# ---- random weights in device memory ------------------------------------------------------------------
-
-
-def random_block_bytes(qtype: T, shape: tuple[int, ...], std: float) -> mx.array:
-    """Random valid blocks (uniform bytes, finite f16 scales) whose values have std ≈ ``std``; built on device.
-
-    Same recipe as ``benchmarks/kernels.py`` (int32 randint, cast, f16 scale columns spliced in with one
-    concatenate), which MLX-CUDA runs at 0.7 GB per tensor; an in-place slice update of the scale bytes
-    failed to launch there (``cudaGraphAddKernelNode ... invalid argument``).
-    """
-    block, block_bytes = GGML_QUANT_SIZES[qtype]
-    n_blocks = int(np.prod(shape)) // block
-    raw = mx.random.randint(0, 256, (n_blocks, block_bytes)).astype(mx.uint8)
-    d_off, m_off, m_ratio = _SCALE_FIELDS[qtype]  # the factory's calibration (zero-mean values)
-    d = std / _unit_rms(qtype)
-    fields = {d_off: d} if m_off is None else {d_off: d, m_off: d * m_ratio}
-    cols, pos = [], 0
-    for off in sorted(fields):
-        f16 = mx.array(np.array([fields[off]], np.float16).view(np.uint8))
-        cols += [raw[:, pos:off], mx.broadcast_to(f16, (n_blocks, 2))]
-        pos = off + 2
-    cols.append(raw[:, pos:])
-    return mx.concatenate(cols, axis=1).reshape(*shape[:-1], shape[-1] // block * block_bytes)
-
-
-def random_dense(shape: tuple[int, ...], std: float, dtype) -> mx.array:
-    """Gaussian weights; the 0.5 G-element embedding is drawn on the host (MLX-CUDA failed to launch it)."""
-    if int(np.prod(shape)) > 1 << 26:
-        host = np.random.default_rng(0).standard_normal(shape, dtype=np.float32) * std
-        return mx.array(host.astype(np.float16 if dtype == mx.float16 else np.float32))
-    return (std * mx.random.normal(shape)).astype(dtype)
-
-
-def _vector(short: str, shape: tuple[int, ...]) -> mx.array:
-    if short.endswith("norm"):
-        return mx.random.uniform(0.8, 1.2, shape)
-    if short.endswith("scale"):
-        return mx.random.uniform(0.5, 1.5, shape)
-    if short.endswith("base"):
-        return 0.5 * mx.random.normal(shape)
-    if short == "attn_sinks":
-        return mx.random.normal(shape)
-    if short == "exp_probs_b":
-        return 0.1 * mx.random.normal(shape)
-    raise AssertionError(short)
-
-
-def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict:
-    """``{gguf name: QuantWeight | mx.array}`` for every tensor of the layout, random, in device memory."""
-    mx.random.seed(seed)
-    gate_t, up_t, down_t = EXPERT_VARIANTS[experts]
-    out = {}
-    for name, spec in expected_tensors(cfg).items():
-        shape, qtype = spec.shape, spec.types[0]
-        short = name.split(".", 2)[-1].rsplit(".", 1)[0] if name.startswith("blk.") else name.rsplit(".", 1)[0]
-        if spec.component == "experts":
-            qtype = {"ffn_gate_exps": gate_t, "ffn_up_exps": up_t, "ffn_down_exps": down_t}[short]
-        if qtype == T.I32:  # tid2eid: distinct experts per token
-            # on the host: MLX-CUDA's sort fails to launch for more than 65535 rows (grid y limit)
-            rows = np.argsort(np.random.default_rng(seed).random((shape[0], cfg.n_expert)), axis=1)[:, : shape[1]]
-            out[name] = mx.array(rows.astype(np.int32))
-        elif len(shape) == 1:
-            out[name] = _vector(short, shape)
-        else:
-            std = 1.0 if name == "token_embd.weight" else (0.5 if short.endswith("_ape") else shape[-1] ** -0.5)
-            if qtype in (T.F16, T.F32):
-                data = random_dense(shape, std, mx.float16 if qtype == T.F16 else mx.float32)
-            else:
-                data = random_block_bytes(qtype, shape, std)
-            out[name] = QuantWeight(data, qtype, shape)
-        try:
-            mx.eval(out[name].data if isinstance(out[name], QuantWeight) else out[name])
-        except RuntimeError as e:
-            raise RuntimeError(f"building {name} {shape} {qtype.name}: {e}") from None
-    return out
-
+from ds4_mlx.random_model import random_block_bytes, random_dense, random_weights, shape_config  # noqa: E402,F401
+from ds4_mlx.weights import kernel_backend  # noqa: E402
 
 def tensor_bytes(weights: dict) -> dict[str, int]:
     return {k: int(v.nbytes) for k, v in weights.items()}
@@ -206,10 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_decode = args.decode or (32 if full else 8)
     copy_bytes = int((args.copy_gib or (4.0 if full else 0.25)) * 2**30)
 
-    cfg = flash_config() if full else tiny_config()
-    if args.layers:
-        cfg = replace(cfg, n_layer=args.layers, n_hash_layer=min(cfg.n_hash_layer, args.layers),
-                      compress_ratios=cfg.compress_ratios[: args.layers], swiglu_clamp=cfg.swiglu_clamp[: args.layers])
+    cfg = shape_config(args.shape, args.layers)
     print(f"device {mx.default_device()}, kernels {kernel_backend()}, shape {args.shape}, experts {args.experts}, "
           f"numerics {args.numerics}", flush=True)
     t0 = time.perf_counter()

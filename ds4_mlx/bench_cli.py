@@ -1,0 +1,226 @@
+"""``ds4-mlx bench``: ds4-bench-compatible speed curves (SERVING.md §7) and ``ds4-mlx bench plot``.
+
+Registered by the main app with ``app.add_typer(bench_app, name="bench")``. Bad input prints one
+``error:`` line on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import bench as B
+
+bench_app = typer.Typer(
+    help="ds4-bench speed curves: prefill and decode t/s at growing context; `bench plot` draws them.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}")
+    raise typer.Exit(2)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+@bench_app.callback()
+def bench(
+    ctx: typer.Context,
+    model: Optional[Path] = typer.Option(None, "-m", "--model", help="A DS4 GGUF file."),
+    random_weights: Optional[str] = typer.Option(
+        None, "--random-weights", help="No file: random weights in memory at the 'tiny' or 'full' (V4 Flash) shape."),
+    experts: str = typer.Option("q2", help="Routed-expert layout of --random-weights: q2 or q4."),
+    layers: Optional[int] = typer.Option(None, help="Truncate --random-weights to this many layers (smoke runs)."),
+    prompt_file: Optional[Path] = typer.Option(
+        None, "--prompt-file", help="Raw text (plain BPE, no BOS). Default: a deterministic generated token sequence."),
+    ctx_start: int = typer.Option(2048, "--ctx-start", help="First frontier."),
+    ctx_max: int = typer.Option(32768, "--ctx-max", help="Last frontier (at most)."),
+    step_incr: Optional[int] = typer.Option(None, "--step-incr", help="Next frontier = current + K (default 2048)."),
+    step_mul: Optional[float] = typer.Option(None, "--step-mul", help="Next frontier = ceil(current * X)."),
+    gen_tokens: int = typer.Option(128, "-n", "--gen-tokens", help="Greedy decode steps timed at each frontier."),
+    chunk: int = typer.Option(512, help="Prefill chunk size (tokens per model call)."),
+    csv_out: Optional[Path] = typer.Option(
+        None, "--csv", help="Write the CSV here (ds4-bench's exact format; the system line goes to OUT.system.txt)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write a JSON summary here ('-' = stdout)."),
+    seed: int = typer.Option(0, help="Seed of the random weights and of the generated token sequence."),
+    numerics: str = typer.Option("ds4", help="Numeric profile: ds4 or hf."),
+    no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed JIT warm-up."),
+) -> None:
+    """Measure prefill and decode speed at each context frontier, ds4-bench's way (SERVING.md §7)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if (model is None) == (random_weights is None):
+        _fail("give exactly one of -m/--model FILE and --random-weights {tiny,full}")
+    if random_weights is not None and random_weights not in ("tiny", "full"):
+        _fail(f"--random-weights must be tiny or full, got {random_weights!r}")
+    if experts not in ("q2", "q4"):
+        _fail(f"--experts must be q2 or q4, got {experts!r}")
+    if gen_tokens < 1 or chunk < 1:
+        _fail("--gen-tokens and --chunk must be > 0")
+    if step_incr is None and step_mul is None:
+        step_incr = 2048
+    if prompt_file is not None and not prompt_file.is_file():
+        _fail(f"--prompt-file {prompt_file}: no such file")
+    try:
+        points = B.frontiers(ctx_start, ctx_max, step_incr, step_mul)
+    except B.BenchError as e:
+        _fail(str(e))
+    n_ctx = points[-1] + gen_tokens + 1  # ds4-bench's --ctx-alloc default
+
+    # ---- plan memory before loading anything
+    from .random_model import random_weights_bytes, shape_config
+
+    if random_weights is not None:
+        cfg = shape_config(random_weights, layers)
+        weights_bytes = random_weights_bytes(cfg, experts)
+        desc = f"random {random_weights} shape ({cfg.n_layer} layers, seed {seed})"
+        quant = f"{experts} experts"
+    else:
+        from .gguf_file import DS4FormatError, open_gguf
+
+        try:
+            g = open_gguf(model)
+        except (DS4FormatError, OSError) as e:
+            _fail(str(e))
+        cfg, weights_bytes = g.config, g.nbytes
+        desc = f"{model.name} ({cfg.name or 'DS4'})"
+        quant = f"{cfg.experts_label} ({'/'.join(cfg.expert_types)})"
+        del g
+    plan = B.memory_plan(cfg, weights_bytes, n_ctx, chunk)
+    try:
+        plan.check(n_ctx)
+    except B.BenchError as e:
+        _fail(str(e))
+
+    system = B.system_info(desc, quant)
+    sline = B.system_line(system)
+    err.print(sline)
+    err.print(f"memory plan: weights {_fmt_bytes(plan.weights)}, KV at ctx {n_ctx} <= {_fmt_bytes(plan.kv)}, "
+              f"scratch {_fmt_bytes(plan.scratch)}; {_fmt_bytes(plan.available)} available ({plan.source})")
+
+    # ---- load once
+    t0 = time.perf_counter()
+    if random_weights is not None:
+        from .random_model import random_model
+
+        m, tok = random_model(random_weights, experts, seed=seed, numerics=numerics, layers=layers)
+    else:
+        from .loader import load
+
+        m, tok = load(model, numerics)
+    load_s = time.perf_counter() - t0
+    err.print(f"loaded in {load_s:.1f} s; active memory {_fmt_bytes(_active())}")
+
+    # ---- the token sequence
+    need = points[-1]
+    if prompt_file is not None:
+        if tok is None:
+            _fail("this model has no tokenizer: --prompt-file needs one (leave it out to use generated tokens)")
+        ids = tok.encode(prompt_file.read_bytes())
+        if len(ids) < need:
+            _fail(f"--prompt-file has {len(ids)} tokens, --ctx-max needs {need} (ds4-bench: the prompt must "
+                  f"have >= ctx-max tokens)")
+        prompt_desc = f"{prompt_file.name} ({len(ids)} tokens)"
+    else:
+        ids = B.generated_tokens(need, m.cfg.n_vocab, B.special_ids(tok), seed)
+        prompt_desc = f"generated token ids (seed {seed})"
+    eos = getattr(tok, "eos_id", None) if tok is not None else None
+    params = {"ctx_start": ctx_start, "ctx_max": ctx_max, "step_incr": step_incr, "step_mul": step_mul,
+              "gen_tokens": gen_tokens, "chunk": chunk, "frontiers": points, "prompt": prompt_desc,
+              "numerics": numerics, "eos_excluded": eos}
+    err.print(f"prompt: {prompt_desc}; frontiers {points[0]}..{points[-1]} ({len(points)}), "
+              f"{gen_tokens} generated tokens each, chunk {chunk}")
+
+    # ---- the walk, one progress line per row
+    header = f"{'ctx':>8} {'prefill':>8} {'prefill t/s':>12} {'gen':>5} {'gen t/s':>9} {'kv cache':>11} {'peak mem':>11}"
+    err.print(f"[bold]{header}[/]")
+
+    def on_row(r: B.BenchRow) -> None:
+        err.print(f"{r.ctx_tokens:>8} {r.prefill_tokens:>8} {r.prefill_tps:>12.2f} {r.gen_tokens:>5} "
+                  f"{r.gen_tps:>9.2f} {_fmt_bytes(r.kvcache_bytes):>11} {_fmt_bytes(r.peak_memory_bytes):>11}")
+
+    try:
+        with err.status("warming up (JIT) ..." if not no_warmup else "running ..."):
+            result = B.run_bench(m, ids, points, gen_tokens, eos_id=eos, chunk=chunk, warmup=not no_warmup,
+                                 system=system, on_row=on_row)
+    except B.BenchError as e:
+        _fail(str(e))
+    result.params, result.load_s = params, load_s
+
+    summary = Table(title="ds4-mlx bench", title_justify="left", caption=sline, caption_justify="left")
+    for col in ("ctx", "prefill", "prefill t/s", "gen", "gen t/s", "kv bytes", "peak mem"):
+        summary.add_column(col, justify="right")
+    for r in result.rows:
+        summary.add_row(*r.csv_fields(), _fmt_bytes(r.peak_memory_bytes))
+    err.print(summary)
+
+    json_path = None if json_out is None or str(json_out) == "-" else json_out
+    for p in B.write_outputs(result, csv_out, json_path):
+        err.print(f"wrote {p}")
+    if json_out is not None and str(json_out) == "-":
+        sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
+    elif csv_out is None:
+        sys.stdout.write(result.csv_text())  # like ds4-bench without --csv: the CSV on stdout
+
+
+def _active() -> int:
+    import mlx.core as mx
+
+    return mx.get_active_memory()
+
+
+@bench_app.command("plot")
+def plot(
+    csvs: List[Path] = typer.Argument(..., help="ds4-bench CSVs (ours or ds4.c's)."),
+    out: Path = typer.Option(Path("speed.svg"), "-o", "--output", help="Figure file (.svg, .png, .pdf)."),
+    vs: Optional[Path] = typer.Option(None, "--vs", help="Baseline CSV: also plotted, and per-frontier ratios printed."),
+    label: Optional[List[str]] = typer.Option(None, "--label", help="Legend label per CSV (default: file stem)."),
+    title: Optional[str] = typer.Option(None, help="Figure title."),
+) -> None:
+    """Plot prefill and decode t/s against context for several runs on one figure."""
+    for p in [*csvs, *([vs] if vs else [])]:
+        if not p.is_file():
+            _fail(f"{p}: no such file")
+    labels = list(label) if label else [p.stem for p in csvs]
+    if len(labels) != len(csvs):
+        _fail(f"give one --label per CSV ({len(csvs)}), got {len(labels)}")
+    paths = list(csvs) + ([vs] if vs else [])
+    labels += [f"{vs.stem} (baseline)"] if vs else []
+    try:
+        B.plot_curves(paths, out, labels, title)
+        if vs:
+            base = B.read_csv(vs)
+            for p, lab in zip(csvs, labels):
+                rs = B.ratios(B.read_csv(p), base)
+                table = Table(title=f"{lab} vs {vs.stem}", title_justify="left")
+                for c in ("ctx_tokens", "prefill ×", "decode ×"):
+                    table.add_column(c, justify="right")
+                for r in rs:
+                    table.add_row(str(r["ctx_tokens"]), f"{r['prefill_ratio']:.2f}", f"{r['gen_ratio']:.2f}")
+                if not rs:
+                    table.add_row("(no common frontiers)", "", "")
+                Console().print(table)
+    except B.BenchError as e:
+        _fail(str(e))
+    except ValueError as e:  # a malformed number in a CSV
+        _fail(f"bad CSV: {e}")
+    err.print(f"wrote {out}")

@@ -1,0 +1,137 @@
+"""Random-weight models built directly in device memory, in the published q2/q4 layout (no GGUF file).
+
+``random_model("full")`` gives a model of the real DeepSeek V4 Flash shape (~87 GB of q2 weights) so anyone
+with a large GPU or Mac can measure speed without the 81 GB download; ``random_model("tiny")`` gives the
+MODEL.md §9 test shape (CPU ok). The values are random but every quantized block is valid (finite f16
+scales, values with std ≈ fan-in^-1/2), so activations stay O(1) and the kernels do their real work.
+Every tensor is its own buffer (nothing shared between layers), so caches do not flatter timings.
+
+The recipes avoid launches MLX-CUDA 0.32.4 refuses at the full shape (each noted where it applies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from .config import ModelConfig
+from .layout import EXPERT_VARIANTS, expected_tensors, layout_sizes
+from .model.model import Model
+from .testing import _SCALE_FIELDS, _unit_rms, flash_config, tiny_config
+from .weights import QuantWeight
+
+SHAPES = ("tiny", "full")
+
+
+def random_block_bytes(qtype: T, shape: tuple[int, ...], std: float) -> mx.array:
+    """Random valid blocks (uniform bytes, finite f16 scales) whose values have std ≈ ``std``; built on device.
+
+    int32 randint, cast, f16 scale columns spliced in with one concatenate: MLX-CUDA runs that at 0.7 GB per
+    tensor, while an in-place slice update of the scale bytes failed to launch there
+    (``cudaGraphAddKernelNode ... invalid argument``).
+    """
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block
+    raw = mx.random.randint(0, 256, (n_blocks, block_bytes)).astype(mx.uint8)
+    d_off, m_off, m_ratio = _SCALE_FIELDS[qtype]  # the test factory's calibration (zero-mean values)
+    d = std / _unit_rms(qtype)
+    fields = {d_off: d} if m_off is None else {d_off: d, m_off: d * m_ratio}
+    cols, pos = [], 0
+    for off in sorted(fields):
+        f16 = mx.array(np.array([fields[off]], np.float16).view(np.uint8))
+        cols += [raw[:, pos:off], mx.broadcast_to(f16, (n_blocks, 2))]
+        pos = off + 2
+    cols.append(raw[:, pos:])
+    return mx.concatenate(cols, axis=1).reshape(*shape[:-1], shape[-1] // block * block_bytes)
+
+
+def random_dense(shape: tuple[int, ...], std: float, dtype) -> mx.array:
+    """Gaussian weights; the 0.5 G-element embedding is drawn on the host (MLX-CUDA failed to launch it)."""
+    if int(np.prod(shape)) > 1 << 26:
+        host = np.random.default_rng(0).standard_normal(shape, dtype=np.float32) * std
+        return mx.array(host.astype(np.float16 if dtype == mx.float16 else np.float32))
+    return (std * mx.random.normal(shape)).astype(dtype)
+
+
+def _vector(short: str, shape: tuple[int, ...]) -> mx.array:
+    if short.endswith("norm"):
+        return mx.random.uniform(0.8, 1.2, shape)
+    if short.endswith("scale"):
+        return mx.random.uniform(0.5, 1.5, shape)
+    if short.endswith("base"):
+        return 0.5 * mx.random.normal(shape)
+    if short == "attn_sinks":
+        return mx.random.normal(shape)
+    if short == "exp_probs_b":
+        return 0.1 * mx.random.normal(shape)
+    raise AssertionError(short)
+
+
+def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict:
+    """``{gguf name: QuantWeight | mx.array}`` for every tensor of the layout, random, in device memory.
+
+    Each tensor is evaluated as soon as it is built, so peak memory stays at the weights' size.
+    """
+    if experts not in EXPERT_VARIANTS:
+        raise ValueError(f"experts must be one of {sorted(EXPERT_VARIANTS)}, got {experts!r}")
+    mx.random.seed(seed)
+    gate_t, up_t, down_t = EXPERT_VARIANTS[experts]
+    out = {}
+    for name, spec in expected_tensors(cfg).items():
+        shape, qtype = spec.shape, spec.types[0]
+        short = name.split(".", 2)[-1].rsplit(".", 1)[0] if name.startswith("blk.") else name.rsplit(".", 1)[0]
+        if spec.component == "experts":
+            qtype = {"ffn_gate_exps": gate_t, "ffn_up_exps": up_t, "ffn_down_exps": down_t}[short]
+        if qtype == T.I32:  # tid2eid: distinct experts per token
+            # on the host: MLX-CUDA's sort fails to launch for more than 65535 rows (grid y limit)
+            rows = np.argsort(np.random.default_rng(seed).random((shape[0], cfg.n_expert)), axis=1)[:, : shape[1]]
+            out[name] = mx.array(rows.astype(np.int32))
+        elif len(shape) == 1:
+            out[name] = _vector(short, shape)
+        else:
+            std = 1.0 if name == "token_embd.weight" else (0.5 if short.endswith("_ape") else shape[-1] ** -0.5)
+            if qtype in (T.F16, T.F32):
+                data = random_dense(shape, std, mx.float16 if qtype == T.F16 else mx.float32)
+            else:
+                data = random_block_bytes(qtype, shape, std)
+            out[name] = QuantWeight(data, qtype, shape)
+        try:
+            mx.eval(out[name].data if isinstance(out[name], QuantWeight) else out[name])
+        except RuntimeError as e:
+            raise RuntimeError(f"building {name} {shape} {qtype.name}: {e}") from None
+    return out
+
+
+def shape_config(shape: str = "tiny", layers: int | None = None) -> ModelConfig:
+    """The config of a named shape: ``tiny`` (MODEL.md §9) or ``full`` (V4 Flash); ``layers`` truncates it."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
+    cfg = flash_config() if shape == "full" else tiny_config()
+    if layers:
+        cfg = replace(cfg, n_layer=layers, n_hash_layer=min(cfg.n_hash_layer, layers),
+                      compress_ratios=cfg.compress_ratios[:layers], swiglu_clamp=cfg.swiglu_clamp[:layers])
+    return cfg
+
+
+def random_weights_bytes(cfg: ModelConfig, experts: str = "q2") -> int:
+    """Bytes :func:`random_weights` will allocate (from the layout, before building anything)."""
+    return sum(layout_sizes(cfg, experts).values())
+
+
+def random_model(shape: str = "tiny", experts: str = "q2", *, seed: int = 0, numerics: str = "ds4",
+                 layers: int | None = None) -> tuple[Model, Any]:
+    """A random-weight :class:`Model` of ``shape`` -> ``(model, tokenizer)``.
+
+    The tokenizer is the test factory's byte-level BPE (vocab 512, ``testing.tiny_tokenizer``) for both shapes:
+    its ids are valid at the full shape's vocabulary too (text is meaningless with random weights anyway).
+    """
+    from .testing import tiny_tokenizer
+    from .tokenizer import Tokenizer
+
+    cfg = shape_config(shape, layers)
+    model = Model(cfg, random_weights(cfg, experts, seed), numerics)
+    return model, Tokenizer.from_gguf(tiny_tokenizer(512))
