@@ -1,0 +1,677 @@
+"""Disk KV cache: session payloads ("DSV4", MODEL.md §5.2) and KVC cache files (SERVING.md §5.4-5.7).
+
+A *payload* is everything the next token needs — token ids, the last logits and every layer's state (raw
+window rows in position order, compressed rows, compressor frontiers, indexer rows and frontiers) — laid out
+like ds4's ``ds4_session_save_payload()``: rows are written as f32 (our f16 rows are f16-exact, so the round
+trip is exact) and read back in the dtype the engine keeps them in.
+
+A *KVC file* wraps a payload with a 52-byte header, the cache text (the rendered bytes of the cached prefix;
+the file is named after its SHA1) and an optional tool-id map. :class:`DiskCache` is the directory: save
+policy helpers, lookup of the longest cached byte prefix of a prompt, load, budget and eviction, and counters
+that explain every hit and miss.
+
+Research scripts use two functions::
+
+    from ds4_mlx.kvstore import session_to_file, session_from_file
+    session_to_file(session, "state.kv", text=b"...")  # any cache key; the tokenizer's bytes by default
+    session = session_from_file(model, "state.kv")     # a new Session, bit-identical to the saved one
+
+Every malformed, truncated, foreign or incompatible input raises :class:`KVCacheError` with a reason; the
+directory-level API turns that into a logged skip (never a crash, never a half-restored session).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+PAYLOAD_MAGIC = 0x34565344  # "DSV4" little-endian
+PAYLOAD_VERSION = 1
+KVC_MAGIC = b"KVC"
+KVC_VERSION = 1
+DEFAULT_CTX = 32768
+HEADER = struct.Struct("<3sBBBBBIIIIQQQI")  # SERVING.md §5.4: 52 bytes, then the cache text
+assert HEADER.size == 52
+PAYLOAD_HEAD = struct.Struct("<13I")
+REASONS = {0: "unknown", 1: "cold", 2: "continued", 3: "evict", 4: "shutdown", 5: "agent", 6: "agent"}
+REASON_CODES = {"unknown": 0, "cold": 1, "continued": 2, "evict": 3, "shutdown": 4, "agent": 5}
+FLAG_TOOL_MAP, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE = 1, 2, 4
+NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
+HALF_LIFE_S = 6 * 3600.0
+
+
+class KVCacheError(Exception):
+    """A payload or cache file that cannot be used; ``str(e)`` is the reason."""
+
+
+# --- model identity ------------------------------------------------------------------------------------------
+def quant_bits(model) -> int:
+    """Routed-expert quant bits of ``model`` (header byte 4): 2 (IQ2_XXS/Q2_K), 4 (Q4_K), else the type's width."""
+    name = model.layers[0].ffn.ffn_gate_exps.qtype.name
+    return {"IQ2_XXS": 2, "Q2_K": 2, "Q4_K": 4, "Q8_0": 8, "F16": 16, "BF16": 16, "F32": 32}.get(name, 0)
+
+
+def model_fingerprint(model) -> int:
+    """A u32 that tells models of the same shape apart (header bytes 20-23, 0 in ds4's files = unknown):
+    CRC32 of the first rows of the embedding and the LM head."""
+    crc = 0
+    for w in (model.token_embd, model.output):
+        crc = zlib.crc32(np.asarray(w.data[:4]).tobytes(), crc)
+    return crc or 1
+
+
+# --- the session payload (MODEL.md §5.2) --------------------------------------------------------------------
+def _f32(a: mx.array | None, n: int | None = None) -> bytes:
+    if a is None:
+        return b""
+    if n is not None:
+        a = a[:n]
+    return np.asarray(a.astype(mx.float32)).astype("<f4", copy=False).tobytes()
+
+
+def _payload_dims(cfg, ctx: int, chunk: int) -> list[int]:
+    return [PAYLOAD_MAGIC, PAYLOAD_VERSION, ctx, chunk, cfg.n_swa, cfg.n_swa, ctx // 4 + 2, 0, cfg.n_layer,
+            cfg.head_dim, cfg.indexer_head_dim, cfg.n_vocab, 0]
+
+
+def session_payload(session, *, ctx: int = DEFAULT_CTX) -> bytes:
+    """The "DSV4" v1 payload of ``session``'s current state (ds4's layout; every row as f32)."""
+    cfg = session.model.cfg
+    tokens = session.tokens
+    N = len(tokens)
+    if N == 0 or session.logits is None:
+        raise KVCacheError("empty session")
+    R = min(N, cfg.n_swa)
+    head = _payload_dims(cfg, ctx, session.chunk_size)
+    head[7], head[12] = N, R
+    caches = session.caches
+    parts = [PAYLOAD_HEAD.pack(*head), np.asarray(tokens, "<u4").tobytes(), _f32(session.logits.reshape(-1)),
+             np.asarray([c.n_comp for c in caches], "<u4").tobytes(),
+             np.asarray([c.n_index for c in caches], "<u4").tobytes()]
+    for c in caches:
+        if c.pos != N or c.n_raw != R:
+            raise KVCacheError(f"layer cache at {c.pos} tokens / {c.n_raw} raw rows, session at {N}")
+        parts.append(_f32(c.raw))
+        if c.ratio:
+            parts += [_f32(c.comp, c.n_comp), _f32(c.comp_state.kv), _f32(c.comp_state.score)]
+        if c.index is not None:
+            parts += [_f32(c.index, c.n_index), _f32(c.index_state.kv), _f32(c.index_state.score)]
+    return b"".join(parts)
+
+
+class _Reader:
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.data, self.off = memoryview(data), 0
+
+    def take(self, nbytes: int) -> memoryview:
+        if self.off + nbytes > len(self.data):
+            raise KVCacheError(f"payload truncated at byte {self.off} (needs {nbytes} more)")
+        out = self.data[self.off : self.off + nbytes]
+        self.off += nbytes
+        return out
+
+    def u32(self, n: int) -> np.ndarray:
+        return np.frombuffer(self.take(4 * n), "<u4")
+
+    def f32(self, *shape: int) -> np.ndarray:
+        arr = np.frombuffer(self.take(4 * math.prod(shape)), "<f4").reshape(shape)
+        if np.isnan(arr).any():  # frontier scores may legitimately hold -inf, never NaN
+            raise KVCacheError(f"payload has NaN values before byte {self.off}")
+        return arr
+
+
+def snapshot_from_payload(model, data: bytes | memoryview, *, ctx: int = DEFAULT_CTX, chunk_size: int | None = None):
+    """Parse a "DSV4" payload into a :class:`~ds4_mlx.session.SessionSnapshot` for ``model``.
+
+    Validates like ds4's loader (magic/version, saved ctx ≤ ``ctx`` and N < ``ctx``, layer/dim/vocab and raw
+    window equal, prefill chunk equal to ``chunk_size`` when given, counts within capacity, payload consumed
+    exactly). Nothing is built until everything has been read, so a bad payload never yields partial state.
+    """
+    from .model.attention import LayerCache
+    from .model.compressor import CompressorState
+    from .session import SessionSnapshot
+
+    cfg = model.cfg
+    r = _Reader(data)
+    head = [int(x) for x in r.u32(PAYLOAD_HEAD.size // 4)]
+    magic, version, f_ctx, f_chunk, raw_cap, window, comp_cap, N, layers, hd, ihd, vocab, R = head
+    if magic != PAYLOAD_MAGIC:
+        raise KVCacheError(f"payload magic {magic:#x} is not DSV4")
+    if version != PAYLOAD_VERSION:
+        raise KVCacheError(f"payload version {version} (want {PAYLOAD_VERSION})")
+    want = dict(layers=cfg.n_layer, head_dim=cfg.head_dim, indexer_head_dim=cfg.indexer_head_dim, vocab=cfg.n_vocab,
+                raw_window=cfg.n_swa, raw_cap=cfg.n_swa)
+    got = dict(layers=layers, head_dim=hd, indexer_head_dim=ihd, vocab=vocab, raw_window=window, raw_cap=raw_cap)
+    for k, v in want.items():
+        if got[k] != v:
+            raise KVCacheError(f"incompatible model shape: {k} {got[k]} in the file, {v} in the model")
+    if f_ctx > ctx or N >= ctx:
+        raise KVCacheError(f"saved with ctx {f_ctx} at {N} tokens; current ctx is {ctx}")
+    if chunk_size is not None and f_chunk != chunk_size:
+        raise KVCacheError(f"prefill chunk {f_chunk} in the file, {chunk_size} here")
+    if N == 0 or R != min(N, cfg.n_swa):
+        raise KVCacheError(f"raw rows {R} for {N} tokens (window {cfg.n_swa})")
+    tokens = r.u32(N)
+    if (tokens >= cfg.n_vocab).any():
+        raise KVCacheError("token id out of range")
+    logits = r.f32(vocab)
+    n_comp, n_index = r.u32(layers), r.u32(layers)
+    D, ID = cfg.head_dim, cfg.indexer_head_dim
+    kv_dtype = mx.float16 if model.numerics.f16_cache else mx.float32
+    parts = []
+    for il in range(layers):
+        ratio = cfg.compress_ratio(il)
+        raw = r.f32(R, D)
+        comp = state = index = istate = None
+        if ratio:
+            if n_comp[il] != N // ratio or n_comp[il] > comp_cap:
+                raise KVCacheError(f"layer {il}: {n_comp[il]} compressed rows for {N} tokens at ratio {ratio}")
+            coff = 2 if ratio == 4 else 1
+            comp = r.f32(int(n_comp[il]), D)
+            state = (r.f32(coff * ratio, coff * D), r.f32(coff * ratio, coff * D))
+        elif n_comp[il]:
+            raise KVCacheError(f"layer {il}: compressed rows on an uncompressed layer")
+        if cfg.has_indexer(il):
+            if n_index[il] != n_comp[il]:
+                raise KVCacheError(f"layer {il}: {n_index[il]} indexer rows for {n_comp[il]} compressed rows")
+            index = r.f32(int(n_index[il]), ID)
+            istate = (r.f32(8, 2 * ID), r.f32(8, 2 * ID))
+        elif n_index[il]:
+            raise KVCacheError(f"layer {il}: indexer rows on a layer without an indexer")
+        parts.append((ratio, raw, comp, state, index, istate))
+    if r.off != len(r.data):
+        raise KVCacheError(f"{len(r.data) - r.off} trailing bytes after the payload")
+
+    caches = []
+    for il, (ratio, raw, comp, state, index, istate) in enumerate(parts):
+        # rows come back in the dtype the engine stores them in (f16 rows are f16-exact: lossless)
+        c = LayerCache(ratio=ratio, pos=N, raw=mx.array(raw).astype(kv_dtype))
+        if ratio:
+            c.comp = mx.array(comp).astype(kv_dtype) if len(comp) else mx.zeros((0, D), mx.float32)
+            c.n_comp = len(comp)
+            c.comp_state = CompressorState(mx.array(state[0]), mx.array(state[1]))
+        if index is not None:
+            c.index = mx.array(index) if len(index) else mx.zeros((0, ID), mx.float32)
+            c.n_index = len(index)
+            c.index_state = CompressorState(mx.array(istate[0]), mx.array(istate[1]))
+        caches.append(c)
+    mx.eval([mx.array(logits)] + [c.raw for c in caches])
+    return SessionSnapshot(tuple(int(t) for t in tokens), mx.array(logits), tuple(caches)), f_chunk
+
+
+# --- KVC files (SERVING.md §5.4) ------------------------------------------------------------------------------
+@dataclass
+class KVHeader:
+    """The 52-byte KVC header."""
+
+    quant_bits: int
+    reason: int
+    flags: int
+    tokens: int
+    hits: int
+    ctx: int
+    model_id: int  # reserved u32 at offset 20 in ds4 (0 there = unknown): our model fingerprint
+    created: int
+    last_used: int
+    payload_bytes: int
+    text_bytes: int
+    version: int = KVC_VERSION
+
+    def pack(self) -> bytes:
+        return HEADER.pack(KVC_MAGIC, self.version, self.quant_bits, self.reason, self.flags, 0, self.tokens,
+                           self.hits, self.ctx, self.model_id, self.created, self.last_used, self.payload_bytes,
+                           self.text_bytes)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "KVHeader":
+        if len(data) < HEADER.size:
+            raise KVCacheError(f"file shorter than the {HEADER.size}-byte header")
+        (magic, version, qbits, reason, flags, _res, tokens, hits, ctx, model_id, created, last_used,
+         payload_bytes, text_bytes) = HEADER.unpack(data[: HEADER.size])
+        if magic != KVC_MAGIC:
+            raise KVCacheError("bad magic (not a KVC file)")
+        if version != KVC_VERSION:
+            raise KVCacheError(f"KVC version {version} (want {KVC_VERSION})")
+        if tokens == 0:
+            raise KVCacheError("token count 0")
+        if qbits == 0:
+            raise KVCacheError("quant bits 0")
+        return cls(qbits, reason, flags, tokens, hits, ctx, model_id, created, last_used, payload_bytes, text_bytes,
+                   version)
+
+    @property
+    def reason_name(self) -> str:
+        return REASONS.get(self.reason, f"#{self.reason}")
+
+    @property
+    def size(self) -> int:
+        return HEADER.size + self.text_bytes + self.payload_bytes
+
+
+def cache_name(text: bytes) -> str:
+    """File name of the cache text ``text``: lowercase SHA1 hex + ``.kv``."""
+    return hashlib.sha1(text).hexdigest() + ".kv"
+
+
+def tool_map_bytes(tool_map: dict[str, str]) -> bytes:
+    """The optional ``KTM`` trailer: id -> exact DSML block."""
+    out = [b"KTM", bytes([1]), struct.pack("<I", len(tool_map))]
+    for k, v in tool_map.items():
+        kb, vb = k.encode(), v.encode()
+        out += [struct.pack("<II", len(kb), len(vb)), kb, vb]
+    return b"".join(out)
+
+
+def parse_tool_map(data: bytes, max_ids: int = 100_000) -> dict[str, str]:
+    """Entries of a ``KTM`` trailer, stopping at the first malformed one (§5.4 loader limits)."""
+    out: dict[str, str] = {}
+    if len(data) < 8 or data[:3] != b"KTM" or data[3] != 1:
+        return out
+    (count,) = struct.unpack_from("<I", data, 4)
+    off = 8
+    for _ in range(min(count, 4 * max_ids)):
+        if off + 8 > len(data):
+            break
+        id_len, dsml_len = struct.unpack_from("<II", data, off)
+        if not (1 <= id_len <= 256 and 1 <= dsml_len <= 512 << 20) or off + 8 + id_len + dsml_len > len(data):
+            break
+        try:
+            k = data[off + 8 : off + 8 + id_len].decode()
+            v = data[off + 8 + id_len : off + 8 + id_len + dsml_len].decode()
+        except UnicodeDecodeError:
+            break
+        out[k] = v
+        off += 8 + id_len + dsml_len
+    return out
+
+
+def write_atomic(path: Path, data: list[bytes] | bytes) -> int:
+    """Write ``data`` to ``path`` through a unique temp file + fsync + rename; returns the byte count."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+    n = 0
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+                n += len(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return n
+
+
+def kv_file_bytes(session, text: bytes, *, reason: str | int = "unknown", ctx: int = DEFAULT_CTX, flags: int = 0,
+                  tool_map: dict[str, str] | None = None, hits: int = 0) -> list[bytes]:
+    """The parts of a KVC file for ``session`` keyed by ``text``."""
+    payload = session_payload(session, ctx=ctx)
+    now = int(time.time())
+    code = REASON_CODES.get(reason, 0) if isinstance(reason, str) else int(reason)
+    if tool_map:
+        flags |= FLAG_TOOL_MAP
+    head = KVHeader(quant_bits(session.model), code, flags, session.pos, hits, ctx, model_fingerprint(session.model),
+                    now, now, len(payload), len(text))
+    return [head.pack(), bytes(text), payload] + ([tool_map_bytes(tool_map)] if tool_map else [])
+
+
+def session_to_file(session, path: str | os.PathLike, *, text: bytes | None = None, tokenizer=None,
+                    reason: str = "unknown", ctx: int = DEFAULT_CTX, tool_map: dict[str, str] | None = None) -> int:
+    """Save ``session`` to the KVC file ``path`` (atomically); returns the bytes written.
+
+    ``text`` is the cache text (key); by default the decoded bytes of the session's tokens when a ``tokenizer``
+    is given, else empty. Pass a directory's ``cache_name(text)`` as the file name for a :class:`DiskCache`.
+    """
+    if text is None:
+        text = tokenizer.decode_bytes(session.tokens) if tokenizer is not None else b""
+    return write_atomic(Path(path), kv_file_bytes(session, text, reason=reason, ctx=ctx, tool_map=tool_map))
+
+
+@dataclass
+class KVFile:
+    """A parsed KVC file (header, cache text, payload bytes, tool map)."""
+
+    path: Path
+    header: KVHeader
+    text: bytes
+    payload: bytes
+    tool_map: dict[str, str]
+
+
+def read_kv_file(path: str | os.PathLike, *, with_payload: bool = True) -> KVFile:
+    """Read and check the framing of a KVC file (raises :class:`KVCacheError`)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = KVHeader.unpack(f.read(HEADER.size))
+            size = os.fstat(f.fileno()).st_size
+            if size < head.size:
+                raise KVCacheError(f"truncated: {size} bytes, header says {head.size}")
+            text = f.read(head.text_bytes)
+            payload = f.read(head.payload_bytes) if with_payload else b""
+            trailer = f.read() if with_payload and head.flags & FLAG_TOOL_MAP else b""
+    except OSError as e:
+        raise KVCacheError(f"unreadable: {e}") from e
+    return KVFile(path, head, text, payload, parse_tool_map(trailer) if trailer else {})
+
+
+def session_from_file(model, path: str | os.PathLike, *, ctx: int | None = None, chunk_size: int | None = None):
+    """A new :class:`~ds4_mlx.session.Session` of ``model`` holding the state saved in ``path``.
+
+    ``ctx`` defaults to the file's; the session's prefill chunk is the file's (pass ``chunk_size`` to require a
+    value). Raises :class:`KVCacheError` for a file that does not fit ``model``.
+    """
+    from .session import Session
+
+    kf = read_kv_file(path)
+    if kf.header.model_id and kf.header.model_id != model_fingerprint(model):
+        raise KVCacheError("written by a different model (fingerprint mismatch)")
+    snap, f_chunk = snapshot_from_payload(model, kf.payload, ctx=ctx or max(kf.header.ctx, kf.header.tokens + 1),
+                                          chunk_size=chunk_size)
+    if len(snap.tokens) != kf.header.tokens:
+        raise KVCacheError(f"payload holds {len(snap.tokens)} tokens, header says {kf.header.tokens}")
+    session = Session(model, chunk_size=f_chunk)
+    session.restore(snap)
+    return session
+
+
+# --- the directory (SERVING.md §5.5-5.7) ----------------------------------------------------------------------
+@dataclass
+class CachePolicy:
+    """ds4's disk-cache knobs (server flags ``--kv-*``), with ds4's defaults."""
+
+    space_mb: int = 4096
+    min_tokens: int = 512
+    cold_max_tokens: int = 30000
+    continued_interval_tokens: int = 10000
+    boundary_trim_tokens: int = 32
+    boundary_align_tokens: int = 2048
+    reject_different_quant: bool = False
+
+    def validate(self) -> None:
+        if self.space_mb < 1 or self.min_tokens < 1 or self.continued_interval_tokens < 0:
+            raise ValueError("--kv-disk-space-mb and --kv-cache-min-tokens must be ≥ 1, the interval ≥ 0")
+        if self.cold_max_tokens and self.cold_max_tokens < self.min_tokens:
+            raise ValueError("--kv-cache-cold-max-tokens must be 0 or ≥ --kv-cache-min-tokens")
+        if self.boundary_trim_tokens < 0 or self.boundary_align_tokens < 0:
+            raise ValueError("--kv-cache-boundary-trim/align-tokens must be ≥ 0")
+
+    @property
+    def continued_step(self) -> int:
+        """Live lengths that are positive multiples of this get a continued save (0 = off)."""
+        iv, al = self.continued_interval_tokens, self.boundary_align_tokens
+        if iv <= 0:
+            return 0
+        return -(-iv // al) * al if al else iv
+
+    def cold_length(self, tokens: list[int], user_id: int, assistant_id: int) -> int:
+        """Store length for a cold save of ``tokens`` (§5.5): the shared prefix before the first user turn if long
+        enough, else the trimmed and aligned length, else the whole prompt."""
+        try:
+            first_asst = tokens.index(assistant_id)
+        except ValueError:
+            first_asst = len(tokens)
+        users = [i for i in range(first_asst) if tokens[i] == user_id]
+        if users and users[-1] >= self.min_tokens:
+            return users[-1]
+        stable = len(tokens) - self.boundary_trim_tokens
+        if self.boundary_align_tokens:
+            stable -= stable % self.boundary_align_tokens
+        return stable if stable >= self.min_tokens else len(tokens)
+
+
+@dataclass
+class Entry:
+    path: Path
+    header: KVHeader
+    size: int
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass
+class Lookup:
+    """Outcome of :meth:`DiskCache.lookup`: a hit (``snapshot`` set) or a miss with its ``reason``."""
+
+    reason: str
+    entry: Entry | None = None
+    snapshot: object | None = None
+    text_bytes: int = 0
+    tool_map: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def hit(self) -> bool:
+        return self.snapshot is not None
+
+
+class DiskCache:
+    """One ``--kv-disk-dir``: save, look up, load, evict; ``stats`` counts every decision.
+
+    ``log(str)`` receives one line per decision (the server passes its ``--trace`` writer).
+    """
+
+    def __init__(self, directory: str | os.PathLike, model, *, ctx: int = DEFAULT_CTX, chunk_size: int,
+                 policy: CachePolicy | None = None, log: Callable[[str], None] | None = None) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.model, self.ctx, self.chunk_size = model, ctx, chunk_size
+        self.policy = policy or CachePolicy()
+        self.policy.validate()
+        self.log = log or (lambda s: None)
+        self.qbits = quant_bits(model)
+        self.fingerprint = model_fingerprint(model)
+        self.budget = self.policy.space_mb << 20
+        self.stats = Counter()
+        self.misses = Counter()
+        self.saves = Counter()
+        self.skips = Counter()
+        self.evict()
+
+    # -- listing ------------------------------------------------------------------------------------------------
+    def entries(self, *, log_skips: bool = False) -> list[Entry]:
+        """Every well-framed ``<sha1>.kv`` file (bad ones are logged and skipped, never deleted here)."""
+        out = []
+        for p in sorted(self.dir.iterdir()):
+            if not NAME_RE.match(p.name):
+                continue
+            try:
+                with open(p, "rb") as f:
+                    head = KVHeader.unpack(f.read(HEADER.size))
+                    size = os.fstat(f.fileno()).st_size
+                if size < head.size:
+                    raise KVCacheError(f"truncated: {size} bytes, header says {head.size}")
+            except (OSError, KVCacheError) as e:
+                if log_skips:
+                    self._skip(p.name, str(e))
+                continue
+            out.append(Entry(p, head, size))
+        return out
+
+    def _skip(self, name: str, reason: str) -> None:
+        self.skips[reason.split(":")[0]] += 1
+        self.log(f"kv: skip {name}: {reason}")
+
+    @property
+    def size(self) -> int:
+        return sum(e.size for e in self.entries())
+
+    def summary(self) -> dict:
+        """Counters for ``/v1/stats``."""
+        entries = self.entries()
+        return {"dir": str(self.dir), "files": len(entries), "bytes": sum(e.size for e in entries),
+                "budget_bytes": self.budget, **dict(self.stats), "misses": dict(self.misses),
+                "saves": dict(self.saves), "skipped": dict(self.skips),
+                "policy": {k: getattr(self.policy, k) for k in CachePolicy.__dataclass_fields__}}
+
+    # -- save ---------------------------------------------------------------------------------------------------
+    def store(self, session, text: bytes, reason: str, *, flags: int = 0,
+              tool_map: dict[str, str] | None = None) -> Path | None:
+        """Save the live ``session`` keyed by ``text`` (§5.5); returns the path, or ``None`` when skipped."""
+        n = session.pos
+        if n < self.policy.min_tokens:
+            self.log(f"kv: no {reason} save: {n} tokens < min {self.policy.min_tokens}")
+            return None
+        path = self.dir / cache_name(text)
+        try:
+            parts = kv_file_bytes(session, text, reason=reason, ctx=self.ctx, flags=flags, tool_map=tool_map)
+        except KVCacheError as e:
+            self.log(f"kv: no {reason} save: {e}")
+            return None
+        size = sum(len(p) for p in parts)
+        if size + -(-size // 100) > self.budget:
+            self.log(f"kv: no {reason} save: {size} bytes exceed the budget of {self.budget}")
+            self.saves["skipped_budget"] += 1
+            return None
+        try:
+            written = write_atomic(path, parts)
+        except OSError as e:
+            self.log(f"kv: {reason} save failed: {e}")
+            self.saves["failed"] += 1
+            return None
+        self.stats["bytes_written"] += written
+        self.saves[reason] += 1
+        self.log(f"kv: {reason} save {path.name}: {n} tokens, {len(text)} text bytes, {written} bytes")
+        self.evict(protect=path)
+        return path
+
+    # -- lookup and load (§5.6) ------------------------------------------------------------------------------
+    def lookup(self, prompt: bytes) -> Lookup:
+        """The longest cached byte prefix of ``prompt``, loaded and verified; or a miss with its reason."""
+        entries = self.entries(log_skips=True)
+        if not entries:
+            return Lookup("no file")
+        cands = []
+        for e in entries:
+            h = e.header
+            if h.tokens < self.policy.min_tokens:
+                continue
+            if h.text_bytes > len(prompt) or h.ctx > self.ctx:
+                continue
+            if self.policy.reject_different_quant and h.quant_bits != self.qbits:
+                continue
+            cands.append(e)
+        cands.sort(key=lambda e: (e.header.text_bytes, e.header.tokens), reverse=True)
+        incompatible = None
+        for e in cands:
+            T = e.header.text_bytes
+            if hashlib.sha1(prompt[:T]).hexdigest() + ".kv" != e.name:
+                continue
+            res = self._load(e, prompt)
+            if res.hit:
+                return res
+            incompatible = res
+        if incompatible is not None:
+            return incompatible
+        return Lookup(self._diverged(entries, prompt))
+
+    def _diverged(self, entries: list[Entry], prompt: bytes) -> str:
+        """Why nothing matched: the file whose text shares the longest prefix with the prompt."""
+        best, best_e = -1, None
+        for e in entries[:256]:
+            try:
+                kf = read_kv_file(e.path, with_payload=False)
+            except KVCacheError:
+                continue
+            t = kf.text[: len(prompt)]
+            b = next((i for i, (x, y) in enumerate(zip(t, prompt)) if x != y), min(len(t), len(prompt)))
+            if b > best:
+                best, best_e = b, e
+        if best_e is None:
+            return "no file"
+        if best >= best_e.header.text_bytes:  # the file's text is a prefix, but it was filtered out
+            h = best_e.header
+            if h.tokens < self.policy.min_tokens:
+                return f"below min tokens ({h.tokens} < {self.policy.min_tokens})"
+            if h.ctx > self.ctx:
+                return f"incompatible file: ctx {h.ctx} > {self.ctx}"
+            return "incompatible file: quant bits differ"
+        return f"text diverged at byte {best} (of {best_e.header.text_bytes} in {best_e.name[:12]})"
+
+    def _load(self, e: Entry, prompt: bytes) -> Lookup:
+        try:
+            kf = read_kv_file(e.path)
+            if cache_name(kf.text) != e.name:
+                raise KVCacheError("text does not hash to the file name")
+            if not prompt.startswith(kf.text):
+                raise KVCacheError("text is not a prefix of the prompt")
+            if kf.header.model_id and kf.header.model_id != self.fingerprint:
+                raise KVCacheError("written by a different model (fingerprint mismatch)")
+            snap, _ = snapshot_from_payload(self.model, kf.payload, ctx=self.ctx, chunk_size=self.chunk_size)
+        except KVCacheError as err:
+            self._skip(e.name, str(err))
+            return Lookup(f"incompatible file: {err}", e)
+        self.stats["bytes_read"] += e.size
+        if len(snap.tokens) != kf.header.tokens:
+            self._skip(e.name, "token mismatch (deleted)")
+            e.path.unlink(missing_ok=True)
+            return Lookup(f"token mismatch: payload {len(snap.tokens)} tokens, header {kf.header.tokens}", e)
+        cm = self.policy.cold_max_tokens
+        if cm and kf.header.tokens > cm:
+            e.path.unlink(missing_ok=True)  # consumed: the live session writes fresher checkpoints
+            self.log(f"kv: consumed {e.name} ({kf.header.tokens} tokens > cold max {cm})")
+        else:
+            h = kf.header
+            h.hits += 1
+            h.last_used = int(time.time())
+            try:
+                with open(e.path, "r+b") as f:
+                    f.write(h.pack()[:48])
+            except OSError:
+                pass
+        return Lookup("disk hit", e, snap, kf.header.text_bytes, kf.tool_map)
+
+    # -- budget (§5.7) ----------------------------------------------------------------------------------------
+    @staticmethod
+    def score(h: KVHeader, size: int, now: float | None = None) -> float:
+        """Usefulness of a file: ``(effective_hits + 1) * tokens / size``; hits decay with a 6 h half-life."""
+        now = time.time() if now is None else now
+        age = max(0.0, now - (h.last_used or h.created))
+        eff = h.hits * 2.0 ** (-age / HALF_LIFE_S)
+        if eff < 0.01:
+            eff = 0.0
+        return (eff + 1.0) * h.tokens / max(1, size)
+
+    def evict(self, protect: Path | None = None, budget: int | None = None) -> list[Path]:
+        """Delete the lowest-scoring files while the directory is over ``budget`` (default: the policy's)."""
+        budget = self.budget if budget is None else budget
+        entries = self.entries()
+        total = sum(e.size for e in entries)
+        now = time.time()
+
+        def key(e: Entry):
+            s = self.score(e.header, e.size, now)
+            if protect is not None and e.path == protect and e.size <= budget:
+                s = math.inf
+            return (s, e.header.last_used or e.header.created)
+
+        removed = []
+        for e in sorted(entries, key=key):
+            if total <= budget:
+                break
+            if protect is not None and e.path == protect and e.size <= budget:
+                continue
+            e.path.unlink(missing_ok=True)
+            total -= e.size
+            removed.append(e.path)
+            self.stats["evicted"] += 1
+            self.log(f"kv: evicted {e.name} ({e.header.tokens} tokens, {e.size} bytes, hits {e.header.hits})")
+        return removed
