@@ -242,3 +242,28 @@ def test_conversion_memory_stays_far_below_model_size(tmp_path):
     assert peak < size / 5
     assert peak - base < 200e6  # the copy buffer plus bookkeeping, not the model
     verify_dir(tmp_path / "out")
+
+
+def test_cli_command_convert_dry_run_and_verify(tiny_gguf, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from ds4_mlx.convert.cli import convert_cmd
+
+    app = typer.Typer()
+    app.command("convert")(convert_cmd)
+    app.command("other")(lambda: None)  # two commands, so "convert" is a subcommand as in ds4-mlx
+    run = CliRunner().invoke
+    src, out = tiny_gguf(), tmp_path / "d"
+    r = run(app, ["convert", str(src), str(out), "--dry-run", "--shard-gb", "0.003"])
+    assert r.exit_code == 0, r.output
+    assert "model-00001-of-0000" in r.output and not out.exists()
+    r = run(app, ["convert", str(src), str(out), "--shard-gb", "0.003"])
+    assert r.exit_code == 0, r.output
+    assert "GGUF/dir" in r.output  # the load-time comparison is reported
+    r = run(app, ["convert", str(src), str(out), "--verify"])
+    assert r.exit_code == 0 and "OK" in r.output
+    shard = sorted(out.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\0" if shard.read_bytes()[-1:] != b"\0" else shard.read_bytes()[:-1] + b"\1")
+    r = run(app, ["convert", str(src), str(out), "--verify"])
+    assert r.exit_code == 1 and "corrupt shard" in r.output
