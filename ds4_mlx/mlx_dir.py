@@ -211,3 +211,25 @@ def open_mlx_dir(
             except ValueError as e:
                 raise DS4FormatError(f"{root / index['weight_map'][name]}: {e}") from None
     return cfg, weights, tokenizer_data_from_files(root)
+
+
+def check_model(path: str | os.PathLike) -> ModelConfig:
+    """Cheap validation of a GGUF file or a converted directory (no weights read) → its config.
+    Raises :class:`DS4FormatError`. For the CLI / server's early model check."""
+    if Path(path).is_dir():
+        cfg, _ = read_dir_config(path)
+        _check_layout(cfg, read_index(path)["tensors"], str(Path(path) / INDEX))
+        return cfg
+    from .gguf_file import open_gguf
+
+    return open_gguf(path).config
+
+
+def open_tokenizer_data(path: str | os.PathLike) -> TokenizerData:
+    """The GGUF tokenizer data of a GGUF file or a converted directory (for ``Tokenizer.from_gguf``)."""
+    if Path(path).is_dir():
+        read_dir_config(path)
+        return tokenizer_data_from_files(Path(path))
+    from .gguf_file import open_gguf
+
+    return open_gguf(path).tokenizer

@@ -267,3 +267,14 @@ def test_cli_command_convert_dry_run_and_verify(tiny_gguf, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-1] + b"\0" if shard.read_bytes()[-1:] != b"\0" else shard.read_bytes()[:-1] + b"\1")
     r = run(app, ["convert", str(src), str(out), "--verify"])
     assert r.exit_code == 1 and "corrupt shard" in r.output
+
+
+def test_check_model_and_tokenizer_data_accept_either(converted):
+    from ds4_mlx.mlx_dir import check_model, open_tokenizer_data
+
+    src, out = converted("q2")
+    assert check_model(src) == check_model(out)
+    a, b = open_tokenizer_data(src), open_tokenizer_data(out)
+    assert (a.tokens, a.merges, a.token_types) == (b.tokens, b.merges, b.token_types)
+    with pytest.raises(DS4FormatError, match="missing config.json"):
+        check_model(out.parent)
