@@ -136,6 +136,13 @@ class Server:
                              "queued": w.queued, "served": w.served, "error": w.load_error},
                             status_code=503 if w.load_error else 200)
 
+    async def stats(self, request: Request) -> Response:
+        """Cache decisions and counters (hits, misses by reason, tokens reused/computed, disk cache files)."""
+        w = self.worker
+        if not w.ready.is_set() or w.load_error:
+            return JSONResponse({"status": "loading" if not w.ready.is_set() else "error"}, status_code=503)
+        return JSONResponse(w.stats())
+
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [_model_object(self.cfg)]})
 
@@ -287,8 +294,13 @@ def _asgi_wrap(app, cfg: ServerConfig):
     return wrapped
 
 
-def create_app(worker: Worker, cfg: ServerConfig, trace: Callable[[str], None] | None = None):
-    """The ASGI application. The caller starts the worker (``worker.start()``) or lets the lifespan do it."""
+def create_app(worker: Worker, cfg: ServerConfig, trace: Callable[[str], None] | None = None, *,
+               stop_worker: bool = False):
+    """The ASGI application. The caller starts the worker (``worker.start()``) or lets the lifespan do it.
+
+    ``stop_worker``: stop the worker when the lifespan ends even if the caller started it (``serve`` does:
+    uvicorn re-raises SIGINT/SIGTERM after its shutdown, so the worker's shutdown save must happen inside it).
+    """
     srv = Server(worker, cfg, trace)
 
     async def not_found(request: Request, exc: Exception) -> Response:
@@ -304,13 +316,16 @@ def create_app(worker: Worker, cfg: ServerConfig, trace: Callable[[str], None] |
         if owned:  # started here -> stopped here; a worker started by the caller is the caller's to stop
             worker.start()
         yield
-        if owned:
+        if stop_worker:
+            await anyio.to_thread.run_sync(worker.stop, 30.0)
+        elif owned:
             worker.stopping = True
             worker.jobs.put(None)
 
     routes = [
         Route("/health", srv.health, methods=["GET"]),
         Route("/openapi.json", srv.openapi, methods=["GET"]),
+        Route("/v1/stats", srv.stats, methods=["GET"]),
         Route("/v1/models", srv.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", srv.model, methods=["GET"]),
         Route("/v1/chat/completions", srv.endpoint("chat", openai.parse_chat), methods=["POST"]),

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from ..chat import ThinkMode
+from ..kvstore import CachePolicy
 from .worker import GenParams
 
 DEFAULT_MODEL = Path("ds4flash.gguf")
@@ -49,7 +50,8 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
                default_max_tokens: int = 393216, default_mode: ThinkMode = ThinkMode.HIGH,
                sampling: GenParams | None = None, api_key: str | None = None, cors: bool = False,
                trace: Path | None = None, keepalive: float = 5.0, any_model: bool = False,
-               tool_memory_max_ids: int = 100_000, log_level: str = "warning", banner: str = "") -> None:
+               tool_memory_max_ids: int = 100_000, log_level: str = "warning", banner: str = "",
+               kv_dir: Path | None = None, kv_policy: CachePolicy | None = None) -> None:
     """Start the worker (it loads the model in its own thread) and serve until interrupted."""
     import uvicorn
 
@@ -60,14 +62,16 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
     cfg = ServerConfig(ctx=ctx, default_max_tokens=default_max_tokens, default_mode=default_mode,
                        sampling=sampling or GenParams(), api_key=api_key, cors=cors, keepalive=keepalive,
                        any_model=any_model, tool_memory_max_ids=tool_memory_max_ids)
-    worker = Worker(load, ctx=ctx, default_max_tokens=default_max_tokens, trace=tracer)
+    worker = Worker(load, ctx=ctx, default_max_tokens=default_max_tokens, trace=tracer,
+                    kv_dir=str(kv_dir) if kv_dir else None, kv_policy=kv_policy)
     worker.start()
-    app = create_app(worker, cfg, tracer)
+    app = create_app(worker, cfg, tracer, stop_worker=True)
     host = "127.0.0.1" if host == "localhost" else host
-    print(f"ds4-mlx serve: http://{host}:{port}/v1 {banner}(ctx {ctx})", file=sys.stderr, flush=True)
+    kv = f", kv cache {kv_dir}" if kv_dir else ""
+    print(f"ds4-mlx serve: http://{host}:{port}/v1 {banner}(ctx {ctx}{kv})", file=sys.stderr, flush=True)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                   timeout_graceful_shutdown=3)).run()
-    worker.stop(timeout=5)
+    worker.stop(timeout=30)  # the worker writes the shutdown save of the live session (§4.9) before it exits
 
 
 def serve(
@@ -95,12 +99,34 @@ def serve(
                                             help="Tool ids remembered for exact DSML replay."),
     disable_exact_dsml_tool_replay: bool = typer.Option(False, "--disable-exact-dsml-tool-replay",
                                                         help="Re-render tool calls canonically instead."),
+    kv_disk_dir: Optional[Path] = typer.Option(None, "--kv-disk-dir", help="Directory of the disk KV cache "
+                                                                         "(off when not given)."),
+    kv_disk_space_mb: int = typer.Option(4096, "--kv-disk-space-mb", help="Disk cache budget in MiB."),
+    kv_cache_min_tokens: int = typer.Option(512, "--kv-cache-min-tokens", help="Shortest prefix worth a file."),
+    kv_cache_cold_max_tokens: int = typer.Option(30000, "--kv-cache-cold-max-tokens",
+                                                 help="Longest prompt saved cold (0 = no cold saves)."),
+    kv_cache_continued_interval_tokens: int = typer.Option(10000, "--kv-cache-continued-interval-tokens",
+                                                           help="Save every this many live tokens (0 = off)."),
+    kv_cache_boundary_trim_tokens: int = typer.Option(32, "--kv-cache-boundary-trim-tokens",
+                                                      help="Cold save: tokens trimmed off the prompt end."),
+    kv_cache_boundary_align_tokens: int = typer.Option(2048, "--kv-cache-boundary-align-tokens",
+                                                       help="Cold/continued saves align to this (0 = off)."),
+    kv_cache_reject_different_quant: bool = typer.Option(False, "--kv-cache-reject-different-quant",
+                                                         help="Only load files written with the same expert quant."),
 ) -> None:
     """Serve the model over HTTP: OpenAI (chat, completions, responses) and Anthropic (messages) APIs."""
     if think not in ("none", "high", "max"):
         raise typer.BadParameter("--think must be none, high or max")
     if ctx < 16 or port < 0 or port > 65535 or tokens < 1:
         raise typer.BadParameter("invalid --ctx, --port or --tokens")
+    kv_policy = CachePolicy(kv_disk_space_mb, kv_cache_min_tokens, kv_cache_cold_max_tokens,
+                            kv_cache_continued_interval_tokens, kv_cache_boundary_trim_tokens,
+                            kv_cache_boundary_align_tokens, kv_cache_reject_different_quant)
+    try:
+        kv_policy.validate()
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
     if demo:
         from ..demo import demo_model_path
 
@@ -121,7 +147,7 @@ def serve(
                default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
                cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,
                tool_memory_max_ids=0 if disable_exact_dsml_tool_replay else tool_memory_max_ids,
-               banner=f"model {model} ")
+               banner=f"model {model} ", kv_dir=kv_disk_dir, kv_policy=kv_policy)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,6 +8,9 @@ objects in a FIFO queue and run one at a time, never interleaved. For each job t
    the rendered prompt (only the remaining bytes are tokenized), else a cold prefill;
 2. prefills the rest in chunks that end on absolute multiples of the chunk size, checking for a cancelled job
    between chunks (the KV stays valid at every chunk boundary);
+   With a disk cache (``--kv-disk-dir``) a miss first saves the live session (``evict``), then looks for the
+   longest cached rendered-byte prefix on disk (§5.6); a cold prompt is saved at its stable prefix (``cold``),
+   long prefills and generations at aligned frontiers (``continued``), the live session at exit (``shutdown``);
 3. samples token by token with ds4's rules (thinking overrides the client's knobs; greedy inside DSML
    structure) until EOS, a stop string, ``max_tokens``, a full context, a closed tool block, or a disconnect.
 
@@ -21,6 +24,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,8 +32,19 @@ from ..chat import ThinkMode
 from ..dsml import DSMLTracker, ToolCallDetector
 from ..tokenizer import EOS, THINK, THINK_END, StreamingDetokenizer
 from ..sampling import XorShift64Star, sample
+from ..dsml import DecodeState
+from ..kvstore import FLAG_THINKING_VISIBLE, CachePolicy, DiskCache
 
 DEFAULT_CHUNK = 512
+
+
+MISS_KINDS = ("below min tokens", "no file", "text diverged", "token mismatch", "incompatible file",
+              "tokenizes past the context", "no live prefix")
+
+
+def miss_kind(reason: str) -> str:
+    """The counter bucket of a miss reason (the reason itself carries the details: byte offsets, file names)."""
+    return next((k for k in MISS_KINDS if k in reason), "other")
 
 
 @dataclass
@@ -51,6 +66,7 @@ class Result:
     cached_tokens: int
     completion_tokens: int
     source: str = "cold"
+    cache_reason: str = ""
 
 
 @dataclass
@@ -87,7 +103,8 @@ class Worker:
     """Owns the engine in its own thread. ``load()`` runs in that thread and returns ``(session, tokenizer)``."""
 
     def __init__(self, load: Callable[[], tuple[Any, Any]], *, ctx: int, default_max_tokens: int = 393216,
-                 trace: Callable[[str], None] | None = None) -> None:
+                 trace: Callable[[str], None] | None = None, kv_dir: str | None = None,
+                 kv_policy: CachePolicy | None = None) -> None:
         self._load = load
         self.ctx = ctx
         self.default_max_tokens = default_max_tokens
@@ -104,6 +121,13 @@ class Worker:
         # thinking-visible binding (§5.3): the text a client replays for the last tool-less thinking turn
         self._visible: str | None = None
         self._visible_pos = -1
+        # disk KV cache (§5.4-5.7), built in the worker thread once the model is loaded
+        self.kv_dir, self.kv_policy = kv_dir, kv_policy or CachePolicy()
+        self.kv: DiskCache | None = None
+        self._last_saved = 0  # frontier of the last cold/continued save (0 after a miss)
+        self.counters = Counter()  # requests, hits/misses by source, tokens reused/computed
+        self.decisions: deque = deque(maxlen=32)  # the last cache decisions, newest last
+        self._current: Job | None = None
         self._thread = threading.Thread(target=self._run, name="ds4-mlx-worker", daemon=True)
 
     def start(self) -> None:
@@ -114,6 +138,8 @@ class Worker:
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stopping = True
+        if self._current is not None:  # the current generation ends with an error (§4.9)
+            self._current.cancel()
         self.jobs.put(None)
         self._thread.join(timeout)
 
@@ -127,6 +153,13 @@ class Worker:
             self.session, self.tokenizer = self._load()
         except Exception as e:  # noqa: BLE001 - reported through /health and every request
             self.load_error = f"{type(e).__name__}: {e}"
+        if self.kv_dir and not self.load_error:
+            try:
+                self.kv = DiskCache(self.kv_dir, self.session.model, ctx=self.ctx, chunk_size=self._chunk(),
+                                    policy=self.kv_policy, log=self.trace)
+                self.trace(f"kv: disk cache {self.kv_dir}: {len(self.kv.entries())} files")
+            except Exception as e:  # noqa: BLE001 - the server still serves without a disk cache
+                self.trace(f"kv: disk cache disabled: {type(e).__name__}: {e}")
         self.ready.set()
         while True:
             job = self.jobs.get()
@@ -139,6 +172,7 @@ class Worker:
                 job.post("error", 499, "client disconnected")
                 continue
             self.busy = True
+            self._current = job
             try:
                 result = self._serve(job)
                 self.served += 1
@@ -152,52 +186,132 @@ class Worker:
                 job.post("error", 500, f"{type(e).__name__}: {e}")
             finally:
                 self.busy = False
+                self._current = None
         # drain what is left after shutdown
         while not self.jobs.empty():
             job = self.jobs.get_nowait()
             if job is not None:
                 job.post("error", 503, "server shutting down")
+        self._save_live("shutdown")
+
+    # -- disk cache helpers ----------------------------------------------------------------------------------
+    def _chunk(self) -> int:
+        return getattr(self.session, "chunk_size", DEFAULT_CHUNK) or DEFAULT_CHUNK
+
+    def _save_live(self, reason: str) -> None:
+        """evict/shutdown save of the whole live session, keyed by the thinking-visible text when that binding
+        matches the live frontier (ext bit2), else by the live tokens' bytes."""
+        kv, s = self.kv, self.session
+        if kv is None or s is None or s.logits is None or s.pos < kv.policy.min_tokens:
+            return
+        try:
+            if self._visible is not None and self._visible_pos == s.pos:
+                kv.store(s, self._visible.encode("utf-8", "surrogateescape"), reason, flags=FLAG_THINKING_VISIBLE)
+            else:
+                kv.store(s, self.tokenizer.decode_bytes(s.tokens), reason)
+        except Exception as e:  # noqa: BLE001 - a failed save never fails a request
+            self.trace(f"kv: {reason} save failed: {type(e).__name__}: {e}")
+
+    def _save_at(self, reason: str) -> None:
+        """cold/continued save of the live session at its current length (keyed by its tokens' bytes)."""
+        try:
+            if self.kv.store(self.session, self.tokenizer.decode_bytes(self.session.tokens), reason) is not None:
+                self._last_saved = self.session.pos
+        except Exception as e:  # noqa: BLE001
+            self.trace(f"kv: {reason} save failed: {type(e).__name__}: {e}")
+
+    def _maybe_continued(self) -> None:
+        kv = self.kv
+        if kv is None:
+            return
+        step, pos = kv.policy.continued_step, self.session.pos
+        if step and pos % step == 0 and pos >= kv.policy.min_tokens and pos > self._last_saved:
+            self._save_at("continued")
+
+    def stats(self) -> dict:
+        """Counters for ``GET /v1/stats``: cache decisions, tokens reused and computed, the disk cache."""
+        return {"requests": self.counters["requests"],
+                "hits": {k[4:]: v for k, v in self.counters.items() if k.startswith("hit:")},
+                "misses": {k[5:]: v for k, v in self.counters.items() if k.startswith("miss:")},
+                "tokens_reused": self.counters["tokens_reused"],
+                "prefill_tokens_computed": self.counters["prefill_tokens"],
+                "live_tokens": self.session.pos if self.session is not None else 0,
+                "last_decisions": list(self.decisions),
+                "disk": self.kv.summary() if self.kv is not None else None}
 
     # -- prefix reuse (§5.2) -------------------------------------------------------------------------------
     def _live_text(self) -> str:
         return b"".join(self.tokenizer.token_bytes(t) for t in self.session.tokens).decode("utf-8", "surrogateescape")
 
-    def _plan(self, job: Job) -> tuple[list[int], int, str]:
-        """-> (effective prompt tokens, reused prefix length, source label)."""
+    def _plan(self, job: Job) -> tuple[list[int], int, str, str]:
+        """-> (effective prompt tokens, reused prefix length, source label, reason)."""
         live = list(self.session.tokens)
         fresh = job.tokens
         n = len(live)
         visible, self._visible = self._visible, None  # any request that does not continue it clears it
         if n and self.session.logits is not None:
             if len(fresh) >= n and fresh[:n] == live:
-                return fresh, n, "memory-token"
+                return fresh, n, "memory-token", f"live-prefix hit: live tokens are a prefix ({n} tokens)"
             if (visible is not None and self._visible_pos == n and job.kind in ("chat", "anthropic")
                     and job.prompt_text.startswith(visible + EOS) and len(job.prompt_text) > len(visible)):
                 with self.tok_lock:
                     rest = self.tokenizer.encode_chat(job.prompt_text[len(visible):])
-                return live + rest, n, "thinking-visible"
+                return live + rest, n, "thinking-visible", f"live-prefix hit: thinking-visible text ({n} tokens)"
             live_text = self._live_text()
             if len(job.prompt_text) >= len(live_text) and job.prompt_text.startswith(live_text):
                 rest = job.prompt_text[len(live_text):]
                 with self.tok_lock:
                     rest_ids = self.tokenizer.encode_chat(rest) if rest else []
-                return live + rest_ids, n, "memory-text"
-        return fresh, 0, "cold"
+                return live + rest_ids, n, "memory-text", f"live-prefix hit: live text is a byte prefix ({n} tokens)"
+        if self.kv is None:
+            return fresh, 0, "cold", "miss: no live prefix" + (" (disk cache off)" if self.kv_dir is None else "")
+        # §5.2 #7: save the live session before it is replaced, then look on disk
+        self._visible = visible
+        self._save_live("evict")
+        self._visible = None
+        self._last_saved = 0
+        if len(fresh) < self.kv.policy.min_tokens:
+            return fresh, 0, "cold", f"miss: below min tokens ({len(fresh)} < {self.kv.policy.min_tokens})"
+        prompt = job.prompt_text.encode("utf-8", "surrogateescape")
+        lk = self.kv.lookup(prompt)
+        if not lk.hit:
+            return fresh, 0, "cold", f"miss: {lk.reason}"
+        self.session.restore(lk.snapshot)
+        base = list(lk.snapshot.tokens)
+        rest = prompt[lk.text_bytes:]
+        with self.tok_lock:
+            rest_ids = self.tokenizer.encode_chat(rest) if rest else []
+        return (base + rest_ids, len(base), "disk-text",
+                f"disk hit at {len(base)} tokens ({lk.entry.name[:12]}, {lk.text_bytes} text bytes)")
 
-    def _sync(self, job: Job, tokens: list[int], reused: int) -> bool:
-        """Bring the live session to ``tokens`` (prefill the part after ``reused``); False if cancelled."""
+    def _sync(self, job: Job, tokens: list[int], reused: int, cold_at: int = 0) -> bool:
+        """Bring the live session to ``tokens`` (prefill the part after ``reused``); False if cancelled.
+
+        With a disk cache, a chunk also ends at ``cold_at`` (cold save there) and at multiples of the continued
+        step (continued saves)."""
         s = self.session
         if reused == 0:
             s.reset()
-        chunk = getattr(s, "chunk_size", DEFAULT_CHUNK) or DEFAULT_CHUNK
+        chunk = self._chunk()
+        step = self.kv.policy.continued_step if self.kv is not None else 0
         total = len(tokens)
         pos = reused
         while pos < total:
             if job.cancelled.is_set():
                 return False
             end = min(total, (pos // chunk + 1) * chunk)  # chunks end on absolute multiples of `chunk`
+            if step:
+                end = min(end, (pos // step + 1) * step)
+            if pos < cold_at < end:
+                end = cold_at
             s.prefill(tokens[pos:end])
+            self.counters["prefill_tokens"] += end - pos
             pos = end
+            if self.kv is not None:
+                if pos == cold_at:
+                    self._save_at("cold")
+                else:
+                    self._maybe_continued()
             if job.prefill_delay:
                 deadline = time.monotonic() + job.prefill_delay
                 while time.monotonic() < deadline and not job.cancelled.is_set():
@@ -209,16 +323,29 @@ class Worker:
     def _serve(self, job: Job) -> Result:
         tok = self.tokenizer
         t0 = time.monotonic()
-        tokens, reused, source = self._plan(job)
+        tokens, reused, source, reason = self._plan(job)
         if len(tokens) >= self.ctx:  # a byte-prefix hit can tokenize differently: fall back to cold
-            tokens, reused, source = job.tokens, 0, "cold"
+            tokens, reused, source, reason = job.tokens, 0, "cold", "miss: reused prefix tokenizes past the context"
         P = len(tokens)
+        cold_at = 0
+        pol = self.kv.policy if self.kv is not None else None
+        if pol is not None and reused == 0 and pol.cold_max_tokens and pol.min_tokens <= P <= pol.cold_max_tokens:
+            cold_at = pol.cold_length(tokens, tok.user_id, tok.assistant_id)
+        self.counters["requests"] += 1
+        if reused:
+            self.counters["hit:" + source] += 1
+        else:
+            self.counters["miss:" + miss_kind(reason)] += 1
+        self.counters["tokens_reused"] += reused
+        self.decisions.append({"kind": job.kind, "prompt_tokens": P, "cached_tokens": reused, "source": source,
+                               "reason": reason, "cold_save_at": cold_at or None, "time": int(time.time())})
         self.trace(f"--- {job.kind} request: {P} prompt tokens, reuse {source} ({reused} cached)\n"
+                   f"cache: {reason}" + (f"; cold save at {cold_at} tokens" if cold_at else "") + "\n"
                    f"prompt: {job.prompt_text!r}")
         job.post("start", {"prompt_tokens": P, "cached_tokens": reused, "source": source})
-        if not self._sync(job, tokens, reused):
+        if not self._sync(job, tokens, reused, cold_at):
             self.trace("cancelled during prefill")
-            return Result("error", "", P, reused, 0, source)
+            return Result("error", "", P, reused, 0, source, reason)
         t1 = time.monotonic()
 
         p = job.params
@@ -268,6 +395,8 @@ class Worker:
                     finish = "tool_calls"
             if finish != "stop":
                 self.session.step(token)  # the KV holds every emitted token (and the closed tool block)
+                if tracker is None or tracker.state == DecodeState.OUTSIDE:  # never inside a DSML block
+                    self._maybe_continued()
                 if finish is None and self.session.pos >= self.ctx:
                     finish = "length"
             commit = len(raw) if finish is not None else len(raw) - stop_hold
@@ -288,4 +417,4 @@ class Worker:
             content = raw[raw.find(THINK_END) + len(THINK_END):]
             self._visible = job.prompt_text[: -len(THINK)] + THINK_END + content
             self._visible_pos = self.session.pos
-        return Result(finish, raw, P, reused, n_gen, source)
+        return Result(finish, raw, P, reused, n_gen, source, reason)
