@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from gguf import GGMLQuantizationType
 from rich.console import Console
 from rich.table import Table
 
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
 from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
 from .gguf_file import DS4FormatError, open_gguf
-from .layout import decode_bytes_per_token, expected_tensors, optional_tensors
+from .layout import decode_bytes_per_token, expected_tensors, optional_tensors, tensor_nbytes
 from .sampling import SamplingParams
 from .session import Session
 
@@ -60,16 +61,15 @@ def make_tiny(
 
 @app.command()
 def inspect(
-    model: Path = typer.Argument(..., help="A DS4 GGUF file."),
+    model: Path = typer.Argument(..., help="A DS4 GGUF file or a directory written by `ds4-mlx convert`."),
     ctx: list[int] = typer.Option([2048, 32768], help="Context sizes for the bytes-per-token estimate."),
 ) -> None:
-    """Validate a DS4 GGUF and summarize it: config, tensor bytes by type and component, decode bytes/token."""
+    """Validate a DS4 model and summarize it: config, tensor bytes by type and component, decode bytes/token."""
     try:
-        m = open_gguf(model)
+        cfg, tensors = _tensor_table(model)
     except DS4FormatError as e:
         fail(str(e))
-    cfg = m.config
-    console.print(f"[bold]{m.path}[/]  {cfg.name or '(unnamed)'}")
+    console.print(f"[bold]{model}[/]  {cfg.name or '(unnamed)'}")
     ratios = sorted(set(cfg.compress_ratios))
     summary = Table(show_header=False, box=None, pad_edge=False)
     rows = [
@@ -90,11 +90,12 @@ def inspect(
     by_type: dict[str, list[int]] = {}
     by_comp: dict[str, list[int]] = {}
     specs = {**expected_tensors(cfg), **optional_tensors(cfg)}
-    for t in m.tensors.values():
-        for key, table in ((t.qtype.name, by_type), (specs[t.name].component, by_comp)):
+    for name, (qtype, nbytes) in tensors.items():
+        for key, table in ((qtype, by_type), (specs[name].component, by_comp)):
             entry = table.setdefault(key, [0, 0])
             entry[0] += 1
-            entry[1] += t.nbytes
+            entry[1] += nbytes
+    total = sum(nbytes for _, nbytes in tensors.values())
     for title, table in (("type", by_type), ("component", by_comp)):
         out = Table(title=f"tensors by {title}", title_justify="left")
         out.add_column(title)
@@ -102,10 +103,10 @@ def inspect(
         out.add_column("bytes", justify="right")
         for key, (n, b) in sorted(table.items(), key=lambda kv: -kv[1][1]):
             out.add_row(key, str(n), _fmt_bytes(b))
-        out.add_row("[bold]total", f"[bold]{len(m.tensors)}", f"[bold]{_fmt_bytes(m.nbytes)}")
+        out.add_row("[bold]total", f"[bold]{len(tensors)}", f"[bold]{_fmt_bytes(total)}")
         console.print(out)
 
-    sizes = {name: t.nbytes for name, t in m.tensors.items()}
+    sizes = {name: nbytes for name, (_, nbytes) in tensors.items()}
     per_ctx = {c: decode_bytes_per_token(cfg, sizes, c) for c in ctx}
     out = Table(title="bytes read per decoded token (MODEL.md §10)", title_justify="left")
     out.add_column("component")
@@ -118,13 +119,26 @@ def inspect(
     console.print(out)
 
 
+def _tensor_table(model: Path):
+    """(config, {tensor name: (GGML type name, bytes)}) of a GGUF file or a converted directory, validated."""
+    if model.is_dir():
+        from .mlx_dir import check_model, read_index
+
+        cfg = check_model(model)
+        index = read_index(model)["tensors"]
+        return cfg, {n: (t["qtype"], tensor_nbytes(tuple(t["shape"]), GGMLQuantizationType[t["qtype"]]))
+                     for n, t in index.items()}
+    m = open_gguf(model)
+    return m.config, {n: (t.qtype.name, t.nbytes) for n, t in m.tensors.items()}
+
+
 # ---- generate / chat ---------------------------------------------------------------------------------
 
 DEFAULT_MODEL = Path("ds4flash.gguf")  # like ds4: the model file in the current directory
 DEFAULT_TOKENS = 50000  # ds4's -n
 DEMO_TOKENS = 100  # the demo model's text is random: keep its default short
 
-ModelOpt = typer.Option(None, "-m", "--model", help=f"DS4 GGUF to run (default ./{DEFAULT_MODEL}).")
+ModelOpt = typer.Option(None, "-m", "--model", help=f"DS4 GGUF or converted directory (default ./{DEFAULT_MODEL}).")
 DemoOpt = typer.Option(False, "--demo", help="Use the built-in tiny random-weight demo model (built once, cached).")
 SystemOpt = typer.Option(DEFAULT_SYSTEM, "-sys", "--system", help="System prompt ('' for none).")
 TokensOpt = typer.Option(None, "-n", "--tokens", help=f"Max new tokens (default {DEFAULT_TOKENS}; {DEMO_TOKENS} with --demo).")
@@ -147,7 +161,8 @@ def _model_path(model: Optional[Path], demo: bool) -> Path:
     path = model or DEFAULT_MODEL
     if not path.exists():
         fail(
-            f"no model at {path}. Pass -m MODEL.gguf (a DeepSeek V4 Flash GGUF, e.g. from ds4's download_model.sh), "
+            f"no model at {path}. Pass -m MODEL.gguf (a DeepSeek V4 Flash GGUF, e.g. from ds4's download_model.sh, "
+            "or a directory written by `ds4-mlx convert`), "
             "or try --demo (a tiny random-weight model), or write one with: ds4-mlx make-tiny tiny.gguf"
         )
     return path
@@ -293,8 +308,10 @@ def _dump_tokens(path: Path, prompt: str) -> None:
     """ds4's --dump-tokens: the prompt as written, specials recognized, then one line per token."""
     from .tokenizer import Tokenizer
 
+    from .mlx_dir import open_tokenizer_data
+
     try:
-        tok = Tokenizer.from_gguf(open_gguf(path).tokenizer)
+        tok = Tokenizer.from_gguf(open_tokenizer_data(path))
     except DS4FormatError as e:
         fail(str(e))
     ids = tok.encode_chat(prompt)
@@ -441,13 +458,15 @@ def chat(
             pass
 
 
-def _register_serve() -> None:
+def _register_subcommands() -> None:
+    from .convert.cli import convert_cmd
     from .server.cli import serve
 
     app.command("serve")(serve)
+    app.command("convert")(convert_cmd)
 
 
-_register_serve()
+_register_subcommands()
 
 
 def _fmt_bytes(n: float) -> str:

@@ -164,3 +164,16 @@ def test_serve_rejects_a_bad_model_before_binding(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error:") and "truncated or corrupt" in r.stderr
     r = runner.invoke(app, ["serve", "--help"])
     assert r.exit_code == 0 and "--api-key" in r.output and "--demo" in r.output
+
+
+def test_convert_then_inspect_and_generate_from_the_directory(tmp_path, tiny_gguf):
+    out = tmp_path / "mlx"
+    r = runner.invoke(app, ["convert", str(tiny_gguf()), str(out), "--no-load-check"])
+    assert r.exit_code == 0, r.output + r.stderr
+    a = runner.invoke(app, ["inspect", str(out)])
+    b = runner.invoke(app, ["inspect", str(tiny_gguf())])
+    assert a.exit_code == 0 and b.exit_code == 0, a.stderr
+    assert a.output[a.output.index("layers"):] == b.output[b.output.index("layers"):]  # same tables; paths differ
+    g1 = runner.invoke(app, ["generate", "-m", str(out), "-p", "hi", "-n", "4", "--seed", "2"])
+    g2 = runner.invoke(app, ["generate", "-m", str(tiny_gguf()), "-p", "hi", "-n", "4", "--seed", "2"])
+    assert g1.exit_code == 0 and g1.stdout == g2.stdout
