@@ -463,6 +463,63 @@ class Lookup:
         return self.snapshot is not None
 
 
+def list_entries(directory: str | os.PathLike, skip: Callable[[str, str], None] | None = None) -> list[Entry]:
+    """Every well-framed ``<sha1>.kv`` file of ``directory``; ``skip(name, reason)`` hears about the others."""
+    out = []
+    for p in sorted(Path(directory).iterdir()):
+        if not NAME_RE.match(p.name):
+            continue
+        try:
+            with open(p, "rb") as f:
+                head = KVHeader.unpack(f.read(HEADER.size))
+                size = os.fstat(f.fileno()).st_size
+            if size < head.size:
+                raise KVCacheError(f"truncated: {size} bytes, header says {head.size}")
+        except (OSError, KVCacheError) as e:
+            if skip is not None:
+                skip(p.name, str(e))
+            continue
+        out.append(Entry(p, head, size))
+    return out
+
+
+def score(h: KVHeader, size: int, now: float | None = None) -> float:
+    """Usefulness of a file (§5.7): ``(effective_hits + 1) * tokens / size``; hits decay with a 6 h half-life."""
+    now = time.time() if now is None else now
+    age = max(0.0, now - (h.last_used or h.created))
+    eff = h.hits * 2.0 ** (-age / HALF_LIFE_S)
+    if eff < 0.01:
+        eff = 0.0
+    return (eff + 1.0) * h.tokens / max(1, size)
+
+
+def evict_dir(directory: str | os.PathLike, budget: int, *, protect: Path | None = None,
+              log: Callable[[str], None] | None = None) -> list[Entry]:
+    """Delete the lowest-scoring files (ties: older last use first) while ``directory`` is over ``budget`` bytes.
+    ``protect`` (the file just written) goes last, unless it alone exceeds the budget."""
+    entries = list_entries(directory)
+    total = sum(e.size for e in entries)
+    now = time.time()
+
+    def key(e: Entry):
+        s = math.inf if protect is not None and e.path == Path(protect) and e.size <= budget else score(
+            e.header, e.size, now)
+        return (s, e.header.last_used or e.header.created)
+
+    removed = []
+    for e in sorted(entries, key=key):
+        if total <= budget:
+            break
+        if key(e)[0] == math.inf:
+            continue
+        e.path.unlink(missing_ok=True)
+        total -= e.size
+        removed.append(e)
+        if log is not None:
+            log(f"kv: evicted {e.name} ({e.header.tokens} tokens, {e.size} bytes, hits {e.header.hits})")
+    return removed
+
+
 class DiskCache:
     """One ``--kv-disk-dir``: save, look up, load, evict; ``stats`` counts every decision.
 
@@ -489,22 +546,7 @@ class DiskCache:
     # -- listing ------------------------------------------------------------------------------------------------
     def entries(self, *, log_skips: bool = False) -> list[Entry]:
         """Every well-framed ``<sha1>.kv`` file (bad ones are logged and skipped, never deleted here)."""
-        out = []
-        for p in sorted(self.dir.iterdir()):
-            if not NAME_RE.match(p.name):
-                continue
-            try:
-                with open(p, "rb") as f:
-                    head = KVHeader.unpack(f.read(HEADER.size))
-                    size = os.fstat(f.fileno()).st_size
-                if size < head.size:
-                    raise KVCacheError(f"truncated: {size} bytes, header says {head.size}")
-            except (OSError, KVCacheError) as e:
-                if log_skips:
-                    self._skip(p.name, str(e))
-                continue
-            out.append(Entry(p, head, size))
-        return out
+        return list_entries(self.dir, self._skip if log_skips else None)
 
     def _skip(self, name: str, reason: str) -> None:
         self.skips[reason.split(":")[0]] += 1
@@ -640,38 +682,10 @@ class DiskCache:
         return Lookup("disk hit", e, snap, kf.header.text_bytes, kf.tool_map)
 
     # -- budget (§5.7) ----------------------------------------------------------------------------------------
-    @staticmethod
-    def score(h: KVHeader, size: int, now: float | None = None) -> float:
-        """Usefulness of a file: ``(effective_hits + 1) * tokens / size``; hits decay with a 6 h half-life."""
-        now = time.time() if now is None else now
-        age = max(0.0, now - (h.last_used or h.created))
-        eff = h.hits * 2.0 ** (-age / HALF_LIFE_S)
-        if eff < 0.01:
-            eff = 0.0
-        return (eff + 1.0) * h.tokens / max(1, size)
+    score = staticmethod(score)
 
     def evict(self, protect: Path | None = None, budget: int | None = None) -> list[Path]:
         """Delete the lowest-scoring files while the directory is over ``budget`` (default: the policy's)."""
-        budget = self.budget if budget is None else budget
-        entries = self.entries()
-        total = sum(e.size for e in entries)
-        now = time.time()
-
-        def key(e: Entry):
-            s = self.score(e.header, e.size, now)
-            if protect is not None and e.path == protect and e.size <= budget:
-                s = math.inf
-            return (s, e.header.last_used or e.header.created)
-
-        removed = []
-        for e in sorted(entries, key=key):
-            if total <= budget:
-                break
-            if protect is not None and e.path == protect and e.size <= budget:
-                continue
-            e.path.unlink(missing_ok=True)
-            total -= e.size
-            removed.append(e.path)
-            self.stats["evicted"] += 1
-            self.log(f"kv: evicted {e.name} ({e.header.tokens} tokens, {e.size} bytes, hits {e.header.hits})")
-        return removed
+        removed = evict_dir(self.dir, self.budget if budget is None else budget, protect=protect, log=self.log)
+        self.stats["evicted"] += len(removed)
+        return [e.path for e in removed]
