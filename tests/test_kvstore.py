@@ -303,3 +303,28 @@ def test_header_rejects(tmp_path):
         KVHeader.unpack(h.pack())
     with pytest.raises(KVCacheError, match="shorter"):
         KVHeader.unpack(b"KVC\x01")
+
+
+def test_full_shape_payload_size_matches_ds4():
+    """At the V4 Flash shape and N = 2048 the serializer writes exactly ds4-bench's kvcache_bytes (52,184,460)."""
+    from types import SimpleNamespace
+
+    from ds4_mlx.model.attention import make_layer_cache
+    from ds4_mlx.random_model import shape_config
+
+    cfg = shape_config("full")
+    N = 2048
+    caches = []
+    for il in range(cfg.n_layer):
+        c = make_layer_cache(cfg, il)
+        c.pos, c.raw = N, mx.zeros((cfg.n_swa, cfg.head_dim), mx.float16)
+        if c.ratio:
+            c.n_comp = N // c.ratio
+            c.comp = mx.zeros((c.n_comp + 3, cfg.head_dim), mx.float16)  # capacity beyond n_comp is not written
+        if c.index is not None:
+            c.n_index = N // 4
+            c.index = mx.zeros((c.n_index, cfg.indexer_head_dim), mx.float32)
+        caches.append(c)
+    fake = SimpleNamespace(model=SimpleNamespace(cfg=cfg), tokens=list(range(N)), pos=N, chunk_size=2048,
+                           logits=mx.zeros((cfg.n_vocab,), mx.float32), caches=caches)
+    assert len(session_payload(fake)) == 52_184_460
