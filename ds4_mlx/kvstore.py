@@ -372,6 +372,19 @@ def read_kv_file(path: str | os.PathLike, *, with_payload: bool = True) -> KVFil
     return KVFile(path, head, text, payload, parse_tool_map(trailer) if trailer else {})
 
 
+def read_tool_map(path: str | os.PathLike, max_ids: int = 100_000) -> dict[str, str]:
+    """Only the tool-id map trailer of a KVC file (seeks past the payload; ``{}`` when absent or unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            head = KVHeader.unpack(f.read(HEADER.size))
+            if not head.flags & FLAG_TOOL_MAP:
+                return {}
+            f.seek(head.size)
+            return parse_tool_map(f.read(), max_ids)
+    except (OSError, KVCacheError):
+        return {}
+
+
 def session_from_file(model, path: str | os.PathLike, *, ctx: int | None = None, chunk_size: int | None = None):
     """A new :class:`~ds4_mlx.session.Session` of ``model`` holding the state saved in ``path``.
 
@@ -563,6 +576,17 @@ class DiskCache:
                 "budget_bytes": self.budget, **dict(self.stats), "misses": dict(self.misses),
                 "saves": dict(self.saves), "skipped": dict(self.skips),
                 "policy": {k: getattr(self.policy, k) for k in CachePolicy.__dataclass_fields__}}
+
+    def tool_ids(self, wanted: set[str], max_ids: int = 100_000) -> dict[str, str]:
+        """Mappings for the ``wanted`` call ids from every file with a tool-id map (§5.6: exact DSML replay
+        survives restarts, whichever checkpoint is used later)."""
+        out: dict[str, str] = {}
+        for e in self.entries():
+            if e.header.flags & FLAG_TOOL_MAP:
+                for k, v in read_tool_map(e.path, max_ids).items():
+                    if k in wanted:
+                        out[k] = v
+        return out
 
     # -- save ---------------------------------------------------------------------------------------------------
     def store(self, session, text: bytes, reason: str, *, flags: int = 0,

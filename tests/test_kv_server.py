@@ -8,6 +8,7 @@ computes the same request from scratch: greedy output is identical token for tok
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -112,3 +113,38 @@ def test_restart_resumes_from_disk(tiny_gguf, tmp_path):
     assert r3["usage"]["prompt_tokens"] == r2["usage"]["prompt_tokens"]
     assert r3["choices"][0]["message"]["content"] == r2["choices"][0]["message"]["content"]
     assert r2["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.slow
+def test_tool_id_map_survives_restart(tiny_gguf, tmp_path):
+    """A tool call's exact DSML block is saved in the KV file's tool-id map; after a restart the client's replay of
+    the call (by id) renders byte-exact again, so the whole saved session is a disk hit."""
+    model = tiny_gguf()
+    d = tmp_path / "kv"
+    D = "｜DSML｜"
+    block = (f'\n\n<{D}tool_calls>\n<{D}invoke name="ls">\n\n<{D}parameter name="n" string="false">[1,2]'
+             f"</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>")  # not canonical: a blank line before the parameter
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "files?"}]
+    body = {"model": "deepseek-v4-flash", "messages": msgs, "tools": tools, "max_tokens": 300,
+            "thinking": {"type": "disabled"}}
+    with running_server(model, "--kv-disk-dir", str(d), *KV) as base:
+        r1 = httpx.post(base + "/v1/chat/completions", json=body, timeout=120,
+                        headers={"X-DS4-Test-Output": json.dumps(block)}).json()
+    (call,) = r1["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"n": [1, 2]}
+    shutdown = [p for p in d.glob("*.kv") if read_kv_file(p).header.reason_name == "shutdown"]
+    assert len(shutdown) == 1 and read_kv_file(shutdown[0]).tool_map == {call["id"]: block}
+
+    msgs2 = msgs + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": "a.txt"}]
+    req = parse_chat({**body, "messages": msgs2}, ServerConfig())
+    canonical = render_chat(req.messages, mode=req.mode, tools=req.tools, tool_choice=req.tool_choice)
+    assert block not in canonical  # without the map the replay would not match the saved text
+    with running_server(model, "--kv-disk-dir", str(d), *KV) as base:
+        r2 = httpx.post(base + "/v1/chat/completions", json={**body, "messages": msgs2, "max_tokens": 1},
+                        timeout=120).json()
+        st = httpx.get(base + "/v1/stats").json()
+    live = r1["usage"]["prompt_tokens"] + r1["usage"]["completion_tokens"]
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == live
+    assert st["hits"] == {"disk-text": 1}

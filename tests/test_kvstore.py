@@ -143,8 +143,8 @@ def test_tool_map_trailer_round_trip(model_tok, saved, tmp_path):
 
 def _cache(tmp_path, model, **policy) -> DiskCache:
     logs: list[str] = []
-    dc = DiskCache(tmp_path, model, ctx=kvstore.DEFAULT_CTX, chunk_size=512, policy=CachePolicy(**{"min_tokens": 8, **policy}),
-                   log=logs.append)
+    dc = DiskCache(tmp_path, model, ctx=kvstore.DEFAULT_CTX, chunk_size=512,
+                   policy=CachePolicy(**{"min_tokens": 8, **policy}), log=logs.append)
     dc.logs = logs
     return dc
 

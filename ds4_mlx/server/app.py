@@ -123,6 +123,13 @@ class Server:
         if req.kind == "completions":
             text = render_completion(req.prompt or "", mode=req.mode)
         else:
+            kv = self.worker.kv
+            if kv is not None and self.memory.max_ids > 0:  # §5.6: tool ids replayed from earlier runs
+                wanted = {c.id for m in req.messages if m.role == "assistant" for c in (m.calls or [])
+                          if c.id not in self.memory}
+                if wanted:
+                    for i, block in kv.tool_ids(wanted, self.memory.max_ids).items():
+                        self.memory.remember([i], block)
             self.memory.apply(req.messages)
             text = render_chat(req.messages, mode=req.mode, tools=req.tools, tool_choice=req.tool_choice)
         with self.worker.tok_lock:
@@ -302,6 +309,7 @@ def create_app(worker: Worker, cfg: ServerConfig, trace: Callable[[str], None] |
     uvicorn re-raises SIGINT/SIGTERM after its shutdown, so the worker's shutdown save must happen inside it).
     """
     srv = Server(worker, cfg, trace)
+    worker.tool_memory = srv.memory
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return error_response("anthropic" if request.url.path.startswith("/v1/messages") else "openai",

@@ -230,6 +230,12 @@ class ToolMemory:
     def __contains__(self, call_id: str) -> bool:
         return call_id in self._ids
 
+    def for_text(self, text: str) -> dict[str, str]:
+        """id -> block for every remembered block that occurs in ``text`` (the tool-id map of a KV file, §5.4)."""
+        with self._lock:
+            found = {b for b in self._blocks if b in text}
+            return {i: b for i, b in self._ids.items() if b in found}
+
     def apply(self, messages: list[Message]) -> None:
         """Give every assistant message whose calls are all remembered its exact sampled block."""
         for m in messages:

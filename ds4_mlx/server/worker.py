@@ -128,6 +128,7 @@ class Worker:
         self.counters = Counter()  # requests, hits/misses by source, tokens reused/computed
         self.decisions: deque = deque(maxlen=32)  # the last cache decisions, newest last
         self._current: Job | None = None
+        self.tool_memory = None  # the app's ToolMemory: its blocks found in a saved text go in the file's map
         self._thread = threading.Thread(target=self._run, name="ds4-mlx-worker", daemon=True)
 
     def start(self) -> None:
@@ -206,19 +207,27 @@ class Worker:
             return
         try:
             if self._visible is not None and self._visible_pos == s.pos:
-                kv.store(s, self._visible.encode("utf-8", "surrogateescape"), reason, flags=FLAG_THINKING_VISIBLE)
+                text = self._visible.encode("utf-8", "surrogateescape")
+                kv.store(s, text, reason, flags=FLAG_THINKING_VISIBLE, tool_map=self._tool_map(text))
             else:
-                kv.store(s, self.tokenizer.decode_bytes(s.tokens), reason)
+                text = self.tokenizer.decode_bytes(s.tokens)
+                kv.store(s, text, reason, tool_map=self._tool_map(text))
         except Exception as e:  # noqa: BLE001 - a failed save never fails a request
             self.trace(f"kv: {reason} save failed: {type(e).__name__}: {e}")
 
     def _save_at(self, reason: str) -> None:
         """cold/continued save of the live session at its current length (keyed by its tokens' bytes)."""
         try:
-            if self.kv.store(self.session, self.tokenizer.decode_bytes(self.session.tokens), reason) is not None:
+            text = self.tokenizer.decode_bytes(self.session.tokens)
+            if self.kv.store(self.session, text, reason, tool_map=self._tool_map(text)) is not None:
                 self._last_saved = self.session.pos
         except Exception as e:  # noqa: BLE001
             self.trace(f"kv: {reason} save failed: {type(e).__name__}: {e}")
+
+    def _tool_map(self, text: bytes) -> dict[str, str] | None:
+        if self.tool_memory is None or self.tool_memory.max_ids <= 0:
+            return None
+        return self.tool_memory.for_text(text.decode("utf-8", "replace")) or None
 
     def _maybe_continued(self) -> None:
         kv = self.kv
