@@ -363,10 +363,11 @@ def write_outputs(result: BenchResult, csv_path: Path | None, json_path: Path | 
 
 
 def plot_curves(paths: Sequence[str | os.PathLike], out: str | os.PathLike, labels: Sequence[str] | None = None,
-                title: str | None = None) -> Path:
+                title: str | None = None, dashed: Sequence[int] = ()) -> Path:
     """Prefill and decode t/s against context for several ds4-bench CSVs, on one figure (SVG/PNG/PDF by suffix).
 
     Each run is one line in each panel; the lines carry the SVG ids ``run-<i>-prefill`` / ``run-<i>-gen``.
+    Runs whose index is in ``dashed`` (e.g. a baseline) are drawn dashed.
     """
     try:
         import matplotlib
@@ -380,8 +381,10 @@ def plot_curves(paths: Sequence[str | os.PathLike], out: str | os.PathLike, labe
     fig, (ax_p, ax_g) = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
     for i, (rows, label) in enumerate(zip(runs, labels)):
         ctx = [r["ctx_tokens"] for r in rows]
-        (lp,) = ax_p.plot(ctx, [r["prefill_tps"] for r in rows], marker="o", ms=3, label=label)
-        (lg,) = ax_g.plot(ctx, [r["gen_tps"] for r in rows], marker="o", ms=3, label=label, color=lp.get_color())
+        ls = "--" if i in dashed else "-"
+        (lp,) = ax_p.plot(ctx, [r["prefill_tps"] for r in rows], ls=ls, marker="o", ms=3, label=label)
+        (lg,) = ax_g.plot(ctx, [r["gen_tps"] for r in rows], ls=ls, marker="o", ms=3, label=label,
+                          color=lp.get_color())
         lp.set_gid(f"run-{i}-prefill")
         lg.set_gid(f"run-{i}-gen")
     for ax, what in ((ax_p, "prefill t/s (new interval)"), (ax_g, "decode t/s (greedy)")):

@@ -154,7 +154,14 @@ def bench(
     header = f"{'ctx':>8} {'prefill':>8} {'prefill t/s':>12} {'gen':>5} {'gen t/s':>9} {'kv cache':>11} {'peak mem':>11}"
     err.print(f"[bold]{header}[/]")
 
+    if csv_out is not None:  # rows are appended as they are measured, so a run cut short keeps its rows
+        csv_out.write_text(",".join(B.CSV_COLUMNS) + "\n", encoding="utf-8")
+        csv_out.with_suffix(".system.txt").write_text(sline + "\n" + json.dumps(params) + "\n", encoding="utf-8")
+
     def on_row(r: B.BenchRow) -> None:
+        if csv_out is not None:
+            with csv_out.open("a", encoding="utf-8") as f:
+                f.write(",".join(r.csv_fields()) + "\n")
         err.print(f"{r.ctx_tokens:>8} {r.prefill_tokens:>8} {r.prefill_tps:>12.2f} {r.gen_tokens:>5} "
                   f"{r.gen_tps:>9.2f} {_fmt_bytes(r.kvcache_bytes):>11} {_fmt_bytes(r.peak_memory_bytes):>11}")
 
@@ -206,7 +213,7 @@ def plot(
     paths = list(csvs) + ([vs] if vs else [])
     labels += [f"{vs.stem} (baseline)"] if vs else []
     try:
-        B.plot_curves(paths, out, labels, title)
+        B.plot_curves(paths, out, labels, title, dashed=[len(csvs)] if vs else [])
         if vs:
             base = B.read_csv(vs)
             for p, lab in zip(csvs, labels):

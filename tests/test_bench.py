@@ -265,3 +265,24 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     a = _write(tmp_path / "a.csv", [32, 64], [1.0, 2.0], [1.0, 2.0])
     r = CliRunner().invoke(_app(), ["bench", "plot", str(a), "-o", str(tmp_path / "x.svg")])
     assert r.exit_code == 2 and "pip install 'ds4-mlx[plot]'" in r.output
+
+
+def test_cli_model_file_and_prompt_file(tmp_path):
+    """-m FILE with --prompt-file: the prompt is plain-BPE encoded by the file's tokenizer, rows as asked."""
+    from importlib import resources
+
+    from ds4_mlx.testing import make_tiny_gguf
+
+    gguf = make_tiny_gguf(tmp_path / "tiny.gguf", seed=1)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(resources.files("ds4_mlx").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8"))
+    js = tmp_path / "r.json"
+    r = CliRunner().invoke(_app(), ["bench", "-m", str(gguf), "--prompt-file", str(prompt), "--ctx-start", "40",
+                                    "--ctx-max", "80", "--step-incr", "40", "-n", "2", "--json", str(js),
+                                    "--no-warmup"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(js.read_text())
+    assert [x["ctx_tokens"] for x in s["rows"]] == [40, 80] and s["params"]["prompt"].startswith("prompt.txt (")
+    assert "tiny.gguf" in s["system"]["model"]
+    # without --csv the CSV goes to stdout, after the human table on stderr
+    assert "ctx_tokens,prefill_tokens,prefill_tps,gen_tokens,gen_tps,kvcache_bytes\n40,40," in r.output
