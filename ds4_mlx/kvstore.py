@@ -597,8 +597,28 @@ class DiskCache:
             self.log(f"kv: no {reason} save: {n} tokens < min {self.policy.min_tokens}")
             return None
         path = self.dir / cache_name(text)
+        keep = None  # §5.5: a compatible file with the same text keeps its history; only its tool map may change
+        if path.exists():
+            try:
+                old = read_kv_file(path, with_payload=False)
+                if (old.text == text and old.header.tokens == n and old.header.ctx <= self.ctx
+                        and old.header.model_id in (0, self.fingerprint)):
+                    keep = old.header
+            except KVCacheError:
+                pass
+        if keep is not None:
+            old_map = read_tool_map(path) if keep.flags & FLAG_TOOL_MAP else {}
+            if not tool_map or all(old_map.get(k) == v for k, v in tool_map.items()):
+                self.log(f"kv: {reason} save {path.name}: already on disk ({n} tokens)")
+                self.saves["already_saved"] += 1
+                return path
+            tool_map = {**old_map, **tool_map}
         try:
             parts = kv_file_bytes(session, text, reason=reason, ctx=self.ctx, flags=flags, tool_map=tool_map)
+            if keep is not None:  # same file, new tool map: keep hits and times
+                h = KVHeader.unpack(parts[0])
+                h.hits, h.created, h.last_used, h.reason = keep.hits, keep.created, keep.last_used, keep.reason
+                parts[0] = h.pack()
         except KVCacheError as e:
             self.log(f"kv: no {reason} save: {e}")
             return None

@@ -328,3 +328,20 @@ def test_full_shape_payload_size_matches_ds4():
     fake = SimpleNamespace(model=SimpleNamespace(cfg=cfg), tokens=list(range(N)), pos=N, chunk_size=2048,
                            logits=mx.zeros((cfg.n_vocab,), mx.float32), caches=caches)
     assert len(session_payload(fake)) == 52_184_460
+
+
+def test_resaving_the_same_prefix_keeps_its_history(model_tok, saved, tmp_path):
+    """§5.5: a compatible file with the same text is not rewritten (hits survive); a new tool id updates only the
+    map, keeping hits and times."""
+    model, _ = model_tok
+    s, _, _, text = saved
+    dc = _cache(tmp_path, model)
+    path = dc.store(s, text, "cold")
+    assert dc.lookup(text + b"!").hit
+    assert read_kv_file(path).header.hits == 1
+    mtime = path.stat().st_mtime_ns
+    assert dc.store(s, text, "evict") == path and path.stat().st_mtime_ns == mtime
+    assert dc.saves["already_saved"] == 1
+    dc.store(s, text, "evict", tool_map={"call_1": "block"})
+    kf = read_kv_file(path)
+    assert kf.tool_map == {"call_1": "block"} and kf.header.hits == 1 and kf.header.reason_name == "cold"
