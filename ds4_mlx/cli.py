@@ -459,11 +459,15 @@ def chat(
 
 
 def _register_subcommands() -> None:
+    from .bench_cli import bench_app
     from .convert.cli import convert_cmd
+    from .kv_cli import kv_app
     from .server.cli import serve
 
     app.command("serve")(serve)
     app.command("convert")(convert_cmd)
+    app.add_typer(bench_app, name="bench")
+    app.add_typer(kv_app, name="kv")
 
 
 _register_subcommands()

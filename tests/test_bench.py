@@ -111,7 +111,7 @@ def test_generation_probe_leaves_the_walk_unchanged(tiny):
     points = [24, 48, 72]
 
     def walk(gen: int):
-        seen, gen_logits = {}, {}
+        seen = {}
 
         def grab(f, sess):
             seen[f] = np.array(sess.logits)

@@ -177,3 +177,11 @@ def test_convert_then_inspect_and_generate_from_the_directory(tmp_path, tiny_ggu
     g1 = runner.invoke(app, ["generate", "-m", str(out), "-p", "hi", "-n", "4", "--seed", "2"])
     g2 = runner.invoke(app, ["generate", "-m", str(tiny_gguf()), "-p", "hi", "-n", "4", "--seed", "2"])
     assert g1.exit_code == 0 and g1.stdout == g2.stdout
+
+
+def test_every_subcommand_is_registered():
+    r = runner.invoke(app, ["--help"])
+    for cmd in ("make-tiny", "inspect", "generate", "chat", "serve", "convert", "bench", "kv"):
+        assert cmd in r.output, cmd
+    assert runner.invoke(app, ["kv", "--help"]).exit_code == 0
+    assert "plot" in runner.invoke(app, ["bench", "--help"]).output

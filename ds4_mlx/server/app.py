@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import json
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,7 +20,6 @@ from typing import Any, Callable
 
 import anyio
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route

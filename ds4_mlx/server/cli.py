@@ -75,7 +75,7 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
 
 
 def serve(
-    model: Optional[Path] = typer.Option(None, "-m", "--model", help="DS4 GGUF to serve (default ./ds4flash.gguf)."),
+    model: Optional[Path] = typer.Option(None, "-m", "--model", help="DS4 GGUF or converted directory to serve (default ./ds4flash.gguf)."),
     demo: bool = typer.Option(False, "--demo", help="Serve the built-in tiny random-weight demo model."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(8000, "--port", help="Port to bind."),
@@ -137,10 +137,11 @@ def serve(
                    err=True)
         raise typer.Exit(2)
     try:  # validate before binding the port: a bad file is a clear error, not a server that answers 503
-        from ..gguf_file import open_gguf
+        from ..gguf_file import DS4FormatError
+        from ..mlx_dir import check_model
 
-        open_gguf(model)
-    except ValueError as e:  # DS4FormatError
+        check_model(model)  # a GGUF file or a directory written by `ds4-mlx convert`
+    except DS4FormatError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     run_server(model_loader(model, ctx), host=host, port=port, ctx=ctx, default_max_tokens=tokens,

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Any
 
-from ..chat import Message, ThinkMode, ToolCall
+from ..chat import Message, ToolCall
 from .common import (APIError, ChatRequest, Outcome, bad_json, check_model, compact, field_of, max_tokens_of,
                      resolve_thinking, sampling_of, stop_of, text_of, usage_openai)
-from .sse import Reasoning, Streamer, Text, ToolArgs, ToolEnd, ToolStart, sse
+from .sse import Reasoning, Streamer, Text, ToolArgs, ToolStart, sse
 
 
 def _tools(body: dict) -> list[str]:
