@@ -21,7 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from .config import ModelConfig
 from .layout import EXPERT_VARIANTS, expected_tensors, layout_sizes
 from .model.model import Model
-from .testing import _SCALE_FIELDS, _unit_rms, flash_config, tiny_config
+from .testing import SCALE_FIELDS, expert_type, flash_config, tiny_config, unit_rms, weight_init
 from .weights import QuantWeight
 
 SHAPES = ("tiny", "full")
@@ -37,8 +37,8 @@ def random_block_bytes(qtype: T, shape: tuple[int, ...], std: float) -> mx.array
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(shape)) // block
     raw = mx.random.randint(0, 256, (n_blocks, block_bytes)).astype(mx.uint8)
-    d_off, m_off, m_ratio = _SCALE_FIELDS[qtype]  # the test factory's calibration (zero-mean values)
-    d = std / _unit_rms(qtype)
+    d_off, m_off, m_ratio = SCALE_FIELDS[qtype]  # the test factory's calibration (zero-mean values)
+    d = std / unit_rms(qtype)
     fields = {d_off: d} if m_off is None else {d_off: d, m_off: d * m_ratio}
     cols, pos = [], 0
     for off in sorted(fields):
@@ -57,20 +57,6 @@ def random_dense(shape: tuple[int, ...], std: float, dtype) -> mx.array:
     return (std * mx.random.normal(shape)).astype(dtype)
 
 
-def _vector(short: str, shape: tuple[int, ...]) -> mx.array:
-    if short.endswith("norm"):
-        return mx.random.uniform(0.8, 1.2, shape)
-    if short.endswith("scale"):
-        return mx.random.uniform(0.5, 1.5, shape)
-    if short.endswith("base"):
-        return 0.5 * mx.random.normal(shape)
-    if short == "attn_sinks":
-        return mx.random.normal(shape)
-    if short == "exp_probs_b":
-        return 0.1 * mx.random.normal(shape)
-    raise AssertionError(short)
-
-
 def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict:
     """``{gguf name: QuantWeight | mx.array}`` for every tensor of the layout, random, in device memory.
 
@@ -79,25 +65,24 @@ def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict
     if experts not in EXPERT_VARIANTS:
         raise ValueError(f"experts must be one of {sorted(EXPERT_VARIANTS)}, got {experts!r}")
     mx.random.seed(seed)
-    gate_t, up_t, down_t = EXPERT_VARIANTS[experts]
     out = {}
     for name, spec in expected_tensors(cfg).items():
         shape, qtype = spec.shape, spec.types[0]
-        short = name.split(".", 2)[-1].rsplit(".", 1)[0] if name.startswith("blk.") else name.rsplit(".", 1)[0]
         if spec.component == "experts":
-            qtype = {"ffn_gate_exps": gate_t, "ffn_up_exps": up_t, "ffn_down_exps": down_t}[short]
+            qtype = expert_type(name, experts)
         if qtype == T.I32:  # tid2eid: distinct experts per token
             # on the host: MLX-CUDA's sort fails to launch for more than 65535 rows (grid y limit)
             rows = np.argsort(np.random.default_rng(seed).random((shape[0], cfg.n_expert)), axis=1)[:, : shape[1]]
             out[name] = mx.array(rows.astype(np.int32))
-        elif len(shape) == 1:
-            out[name] = _vector(short, shape)
+            continue
+        dist, a, b = weight_init(name, shape)
+        if len(shape) == 1:
+            out[name] = mx.random.uniform(a, b, shape) if dist == "uniform" else a + b * mx.random.normal(shape)
         else:
-            std = 1.0 if name == "token_embd.weight" else (0.5 if short.endswith("_ape") else shape[-1] ** -0.5)
             if qtype in (T.F16, T.F32):
-                data = random_dense(shape, std, mx.float16 if qtype == T.F16 else mx.float32)
+                data = random_dense(shape, b, mx.float16 if qtype == T.F16 else mx.float32)
             else:
-                data = random_block_bytes(qtype, shape, std)
+                data = random_block_bytes(qtype, shape, b)
             out[name] = QuantWeight(data, qtype, shape)
         try:
             mx.eval(out[name].data if isinstance(out[name], QuantWeight) else out[name])

@@ -140,60 +140,66 @@ def write_gguf(
 # ---- random weights --------------------------------------------------------------------------------
 
 
+def short_name(name: str) -> str:
+    """A tensor name without layer prefix and suffix: ``blk.3.attn_q_a.weight`` → ``attn_q_a``."""
+    return re.sub(r"^blk\.\d+\.|\.(weight|bias)$", "", name)
+
+
+def weight_init(name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
+    """The init rule of one tensor (module docstring): ``("normal", mean, std)`` or ``("uniform", lo, hi)``.
+
+    Shared by this factory (numpy) and :mod:`ds4_mlx.random_model` (weights built in device memory).
+    """
+    short = short_name(name)
+    if len(shape) >= 2:
+        if name == "token_embd.weight":
+            return "normal", 0.0, 1.0
+        return "normal", 0.0, 0.5 if short.endswith("_ape") else shape[-1] ** -0.5
+    rules = {"norm": ("uniform", 0.8, 1.2), "scale": ("uniform", 0.5, 1.5), "base": ("normal", 0.0, 0.5)}
+    for suffix, rule in rules.items():
+        if short.endswith(suffix):
+            return rule
+    if short == "attn_sinks":
+        return "normal", 0.0, 1.0
+    if short == "exp_probs_b":
+        return "normal", 0.0, 0.1
+    raise AssertionError(f"no init rule for {name}")
+
+
+def expert_type(name: str, experts: str) -> T:
+    """The GGML type of a routed-expert tensor in an ``EXPERT_VARIANTS`` layout."""
+    gate_t, up_t, down_t = EXPERT_VARIANTS[experts]
+    return {"ffn_gate_exps": gate_t, "ffn_up_exps": up_t, "ffn_down_exps": down_t}[short_name(name)]
+
+
 def random_tensors(cfg: ModelConfig, rng: np.random.Generator, experts: str = "q2") -> Tensors:
     """Random weights for every tensor of the layout, scaled as the module docstring describes."""
-    gate_t, up_t, down_t = EXPERT_VARIANTS[experts]
     out: Tensors = {}
     for name, spec in expected_tensors(cfg).items():
         shape, qtype = spec.shape, spec.types[0]
-        short = re.sub(r"^blk\.\d+\.|\.(weight|bias)$", "", name)  # e.g. "attn_q_a", "output_hc_base"
         if spec.component == "experts":
-            qtype = {"ffn_gate_exps": gate_t, "ffn_up_exps": up_t, "ffn_down_exps": down_t}[short]
-            out[name] = (random_matrix(rng, shape, qtype), qtype)
-        elif qtype == T.I32:  # tid2eid: distinct experts per token row
+            qtype = expert_type(name, experts)
+        if qtype == T.I32:  # tid2eid: distinct experts per token row
             rows = np.argsort(rng.random((shape[0], cfg.n_expert)), axis=1)[:, : shape[1]]
             out[name] = (rows.astype(np.int32), qtype)
-        elif name == "token_embd.weight":
-            out[name] = (rng.standard_normal(shape).astype(np.float16), qtype)
-        elif len(shape) >= 2 and short.endswith("_ape"):
-            out[name] = (rng.normal(0.0, 0.5, shape).astype(np.float16), qtype)
-        elif len(shape) >= 2:
-            out[name] = (random_matrix(rng, shape, qtype), qtype)
+            continue
+        dist, a, b = weight_init(name, shape)
+        if qtype in (T.F32, T.F16):
+            v = rng.uniform(a, b, shape) if dist == "uniform" else rng.normal(a, b, shape)
+            out[name] = (v.astype(np.float16 if qtype == T.F16 else np.float32), qtype)
+        elif qtype == T.Q8_0:
+            out[name] = (gquants.quantize(rng.normal(a, b, shape).astype(np.float32), T.Q8_0), qtype)
         else:
-            out[name] = (_random_vector(rng, short, shape), qtype)
+            out[name] = (random_weight_blocks(rng, qtype, shape, b), qtype)
     return out
-
-
-def _random_vector(rng: np.random.Generator, short: str, shape: tuple[int, ...]) -> np.ndarray:
-    if short.endswith("norm"):
-        v = rng.uniform(0.8, 1.2, shape)
-    elif short.endswith("scale"):
-        v = rng.uniform(0.5, 1.5, shape)
-    elif short.endswith("base") or short == "attn_sinks":
-        v = rng.normal(0.0, 0.5 if short.endswith("base") else 1.0, shape)
-    elif short == "exp_probs_b":
-        v = rng.normal(0.0, 0.1, shape)
-    else:
-        raise AssertionError(f"no init rule for {short}")
-    return v.astype(np.float32)
-
-
-def random_matrix(rng: np.random.Generator, shape: tuple[int, ...], qtype: T) -> np.ndarray:
-    """A random weight of std ``1/sqrt(fan_in)``: float array, or raw block bytes for quantized types."""
-    std = 1.0 / np.sqrt(shape[-1])
-    if qtype in (T.F32, T.F16):
-        return rng.normal(0.0, std, shape).astype(np.float16 if qtype == T.F16 else np.float32)
-    if qtype == T.Q8_0:
-        return gquants.quantize(rng.normal(0.0, std, shape).astype(np.float32), T.Q8_0)
-    return random_blocks(rng, qtype, shape, std)
 
 
 # Where each block type keeps its f16 super-scales: (byte offset of d, byte offset of dmin or None, dmin/d).
 # dmin/d is chosen so the dequantized weights have roughly zero mean (E[d·sc·q] = E[dmin·m]).
-_SCALE_FIELDS = {T.Q8_0: (0, None, 0.0), T.IQ2_XXS: (0, None, 0.0), T.Q2_K: (80, 82, 1.5), T.Q4_K: (0, 2, 7.5)}
+SCALE_FIELDS = {T.Q8_0: (0, None, 0.0), T.IQ2_XXS: (0, None, 0.0), T.Q2_K: (80, 82, 1.5), T.Q4_K: (0, 2, 7.5)}
 
 
-def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], std: float) -> np.ndarray:
+def random_weight_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], std: float) -> np.ndarray:
     """Random but valid GGUF blocks (QUANTS.md §5.2) whose dequantized values have standard deviation ≈ std.
 
     Returns uint8 of shape ``(*shape[:-1], row_bytes)``. Uniform random bytes, then the f16 scale fields
@@ -202,8 +208,8 @@ def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], st
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(shape)) // block
     raw = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
-    d_off, m_off, m_ratio = _SCALE_FIELDS[qtype]
-    d = (std / _unit_rms(qtype)) * rng.uniform(0.5, 1.5, n_blocks)
+    d_off, m_off, m_ratio = SCALE_FIELDS[qtype]
+    d = (std / unit_rms(qtype)) * rng.uniform(0.5, 1.5, n_blocks)
     raw[:, d_off : d_off + 2] = d.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
     if m_off is not None:
         raw[:, m_off : m_off + 2] = (d * m_ratio).astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
@@ -211,12 +217,12 @@ def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], st
 
 
 @lru_cache(maxsize=None)
-def _unit_rms(qtype: T) -> float:
-    """RMS of dequantized random blocks with d = 1 (and dmin = ratio): calibrates :func:`random_blocks`."""
+def unit_rms(qtype: T) -> float:
+    """RMS of dequantized random blocks with d = 1 (and dmin = ratio): calibrates :func:`random_weight_blocks`."""
     rng = np.random.default_rng(1234)
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (256, block_bytes), dtype=np.uint8)
-    d_off, m_off, m_ratio = _SCALE_FIELDS[qtype]
+    d_off, m_off, m_ratio = SCALE_FIELDS[qtype]
     raw[:, d_off : d_off + 2] = np.full(256, 1.0, np.float16).view(np.uint8).reshape(256, 2)
     if m_off is not None:
         raw[:, m_off : m_off + 2] = np.full(256, m_ratio, np.float16).view(np.uint8).reshape(256, 2)

@@ -15,7 +15,7 @@ from ds4_mlx.layout import decode_bytes_per_token, expected_tensors, layout_size
 from ds4_mlx.testing import (
     flash_config,
     make_tiny_gguf,
-    random_blocks,
+    random_weight_blocks,
     tiny_config,
     tiny_tokenizer,
 )
@@ -34,10 +34,10 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K, T.Q4_K, T.Q8_0])
-def test_random_blocks_are_valid_and_scaled_by_fan_in(qtype):
+def test_random_weight_blocks_are_valid_and_scaled_by_fan_in(qtype):
     rng = np.random.default_rng(3)
     for fan_in in (256, 2048):
-        raw = random_blocks(rng, qtype, (64, fan_in), 1 / np.sqrt(fan_in))
+        raw = random_weight_blocks(rng, qtype, (64, fan_in), 1 / np.sqrt(fan_in))
         w = gquants.dequantize(raw, qtype).astype(np.float64)
         assert w.shape == (64, fan_in) and np.isfinite(w).all()
         std = w.std() * np.sqrt(fan_in)
