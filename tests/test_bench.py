@@ -20,7 +20,7 @@ from ds4_mlx.bench_cli import bench_app
 from ds4_mlx.random_model import random_model, random_weights_bytes, shape_config
 from ds4_mlx.session import Session
 
-REF = Path(__file__).resolve().parents[2] / "shared" / "data" / "ds4-speed"
+REF = Path(__file__).resolve().parents[1] / "benchmarks" / "reference"  # ds4.c curves (copied from shared/)
 
 
 def _app() -> typer.Typer:
