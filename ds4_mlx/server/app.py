@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..chat import ThinkMode, render_chat, render_completion
-from . import anthropic, openai, responses
+from . import anthropic, bindings, openai, responses
 from .common import MODEL_ALIASES, MODEL_ID, APIError, ChatRequest, ToolMemory, new_id, outcome
 from .openapi import openapi_document
 from .sse import comment
@@ -178,6 +178,8 @@ class Server:
                 body = await self._body(request)
                 req = parse(body, self.cfg)
                 await self._ready()
+                # §4.8: tool outputs must be replayed with their calls or answer the live ones (else 400)
+                requires_live = bindings.check_tool_outputs(req, self.worker.live_call_ids(kind))
                 text, tokens = await anyio.to_thread.run_sync(self._render, req)
                 if len(tokens) >= self.cfg.ctx:
                     msg = f"Prompt has {len(tokens)} tokens, but the configured context size is {self.cfg.ctx} tokens"
@@ -189,17 +191,48 @@ class Server:
                 return error_response(kind, e.status, e.message, e.type, **e.extra)
             self.trace(f"=== {kind} request: {json.dumps(body, ensure_ascii=False)[:20000]}")
             job = Job(kind, text, tokens, req.mode, req.params, tools_active=req.tools_active,
-                      tool_context=req.tool_context, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+                      tool_context=req.tool_context, continuation=bindings.continuation(req, requires_live),
+                      loop=asyncio.get_running_loop(), events=asyncio.Queue())
             if self.cfg.test_hooks:
                 if "x-ds4-test-output" in request.headers:
                     job.test_output = json.loads(request.headers["x-ds4-test-output"])
                 job.prefill_delay = float(request.headers.get("x-ds4-test-prefill-delay", 0))
             n = next(self.counter)
             self.worker.submit(job)
+            first = None
+            if req.stream and requires_live:
+                # the worker may still refuse it (409): wait for its verdict before committing to a 200 stream
+                first = await self._next_event(job, request)
+                if first is None:
+                    return Response(status_code=499)
+                if first[0] == "error":
+                    return error_response(kind, first[1], first[2], *first[3:4])
             if req.stream:
-                return SSEResponse(self._stream(kind, req, job, n), on_close=job.cancel)
+                return SSEResponse(self._stream(kind, req, job, n, first), on_close=job.cancel)
             return await self._complete(kind, req, job, n, request)
         return handle
+
+    async def _next_event(self, job: Job, request: Request):
+        """The job's next event, or ``None`` (job cancelled) if the client went away while waiting."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return None
+
+    def _bind(self, kind: str, req: ChatRequest, job: Job, result, oc) -> None:
+        """§5.3: remember the live frontier of a finished Responses turn (visible text + call ids) or Anthropic
+        tool turn (call ids) — before the client can see the answer and send its follow-up."""
+        if oc.finish in ("error", "length"):
+            return
+        ids = [c.id for c in oc.calls]
+        if kind == "responses":
+            visible = bindings.responses_visible(job.prompt_text, req, oc, exact_dsml=self.memory.max_ids > 0)
+            self.worker.bind(kind, result, ids, visible)
+        elif kind == "anthropic" and ids:
+            self.worker.bind(kind, result, ids)
 
     async def _complete(self, kind: str, req: ChatRequest, job: Job, n: int, request: Request) -> Response:
         while True:
@@ -211,7 +244,7 @@ class Server:
                     return Response(status_code=499)
                 continue
             if ev[0] == "error":
-                return error_response(kind, ev[1], ev[2], "server_error")
+                return error_response(kind, ev[1], ev[2], ev[3] if len(ev) > 3 else "server_error")
             if ev[0] != "done":
                 continue
             result = ev[1]
@@ -221,13 +254,14 @@ class Server:
                 return JSONResponse(openai.completion_response(req, oc, f"cmpl-{n}", created))
             prefix = "toolu_" if kind == "anthropic" else "call_"
             oc = outcome(req, result, id_prefix=prefix, memory=self.memory)
+            self._bind(kind, req, job, result, oc)
             if kind == "chat":
                 return JSONResponse(openai.chat_response(req, oc, f"chatcmpl-{n}", created))
             if kind == "anthropic":
                 return JSONResponse(anthropic.message_response(req, oc, new_id("msg_", 12)))
             return JSONResponse(responses.ResponseBuilder(req).response(oc))
 
-    async def _stream(self, kind: str, req: ChatRequest, job: Job, n: int):
+    async def _stream(self, kind: str, req: ChatRequest, job: Job, n: int, first: tuple | None = None):
         created = int(time.time())
         if kind == "chat":
             st = openai.ChatStream(req, f"chatcmpl-{n}", created, memory=self.memory)
@@ -243,7 +277,11 @@ class Server:
         yield comment("ds4-mlx")  # headers and a first byte right away: clients' idle timers start now
         while True:
             try:
-                ev = await asyncio.wait_for(job.events.get(), timeout=max(0.01, keepalive - (time.monotonic() - last)))
+                if first is not None:
+                    ev, first = first, None
+                else:
+                    ev = await asyncio.wait_for(job.events.get(),
+                                                timeout=max(0.01, keepalive - (time.monotonic() - last)))
             except asyncio.TimeoutError:
                 last = time.monotonic()
                 yield comment(phase if phase in ("queued", "prefill") else "keepalive")
@@ -258,7 +296,10 @@ class Server:
                 phase = "decode"
                 out = st.text(ev[1])
             elif ev[0] == "done":
-                yield st.done(ev[1])
+                out = st.done(ev[1])
+                if getattr(st, "outcome", None) is not None:
+                    self._bind(kind, req, job, ev[1], st.outcome)
+                yield out
                 return
             elif ev[0] == "error":
                 yield st.error(ev[2])

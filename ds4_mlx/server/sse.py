@@ -247,6 +247,7 @@ class Streamer:
         self.splitter = DeltaSplitter(thinking=req.mode.thinking, tools=req.tools_active)
         self.tool_ids: list[str] = []
         self.usage = None  # the worker's "start" info
+        self.outcome = None  # the final parse, once done
 
     def start(self, info: dict) -> bytes:
         self.usage = info
@@ -269,6 +270,7 @@ class Streamer:
         streamed = len(self.splitter.calls)
         oc = outcome(self.req, result, id_prefix=self.id_prefix, streamed_ids=self.tool_ids[:streamed],
                      memory=self.memory)
+        self.outcome = oc
         ev: list = []
         if not oc.calls and self.splitter.in_tools and self.splitter.block:
             ev.append(Text(self.splitter.block))  # malformed DSML: the held raw text becomes content

@@ -3,7 +3,9 @@
 One thread owns the model and its one live :class:`~ds4_mlx.session.Session`. Requests arrive as :class:`Job`
 objects in a FIFO queue and run one at a time, never interleaved. For each job the worker
 
-1. picks the longest reusable live state (§5.2): the live tokens as a token prefix of the fresh tokenization,
+1. picks the longest reusable live state (§5.2): first the live protocol bindings (§5.3: the Responses visible
+   transcript, a Responses/Anthropic tool-output continuation whose ids equal the live call ids — a request
+   that needs one and finds none gets 409), then the live tokens as a token prefix of the fresh tokenization,
    else the thinking-visible binding (hidden reasoning kept in the KV), else the live text as a byte prefix of
    the rendered prompt (only the remaining bytes are tokenized), else a cold prefill;
 2. prefills the rest in chunks that end on absolute multiples of the chunk size, checking for a cancelled job
@@ -33,7 +35,7 @@ from ..dsml import DSMLTracker, ToolCallDetector
 from ..tokenizer import EOS, THINK, THINK_END, StreamingDetokenizer
 from ..sampling import XorShift64Star, sample
 from ..dsml import DecodeState
-from ..kvstore import FLAG_THINKING_VISIBLE, CachePolicy, DiskCache
+from ..kvstore import FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE, CachePolicy, DiskCache
 
 DEFAULT_CHUNK = 512
 
@@ -45,6 +47,28 @@ MISS_KINDS = ("below min tokens", "no file", "text diverged", "token mismatch", 
 def miss_kind(reason: str) -> str:
     """The counter bucket of a miss reason (the reason itself carries the details: byte offsets, file names)."""
     return next((k for k in MISS_KINDS if k in reason), "other")
+
+
+# §4.8: the 409 of a request that needs live tool state the worker no longer holds
+LOST = {"responses": "Responses continuation state is not available; retry by replaying the full input history",
+        "anthropic": "Anthropic continuation state is not available; retry by replaying the full messages history"}
+
+
+@dataclass(frozen=True)
+class LiveBinding:
+    """What the worker remembers about its live frontier for one API (§5.3)."""
+
+    pos: int  # live token count when the turn ended
+    ids: frozenset[str]  # call ids of that turn
+    visible: str | None = None  # Responses: the replayable transcript, without its final EOS
+
+
+class Refused(Exception):
+    """A job the worker refuses before touching the session (409 live state lost, 400 context)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 @dataclass
@@ -67,6 +91,8 @@ class Result:
     completion_tokens: int
     source: str = "cold"
     cache_reason: str = ""
+    epoch: int = 0  # the worker's job serial (a binding is accepted only while no later job started)
+    live_pos: int = 0  # live token count when the job ended
 
 
 @dataclass
@@ -80,11 +106,13 @@ class Job:
     params: GenParams
     tools_active: bool = False
     tool_context: bool = False
+    continuation: Any = None  # bindings.Continuation: trailing tool outputs that may continue the live KV
     test_output: str | None = None  # test hook: emit these tokens instead of sampling
     prefill_delay: float = 0.0  # test hook: seconds slept per prefill chunk
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    epoch: int = 0  # set by the worker when the job starts
     on_result: Callable[[Result], None] | None = None
 
     def post(self, *event: Any) -> None:
@@ -121,6 +149,10 @@ class Worker:
         # thinking-visible binding (§5.3): the text a client replays for the last tool-less thinking turn
         self._visible: str | None = None
         self._visible_pos = -1
+        # Responses / Anthropic live bindings (§5.3), set by the request thread through bind()
+        self._bindings: dict[str, LiveBinding] = {}
+        self._bind_lock = threading.Lock()
+        self._epoch = 0
         # disk KV cache (§5.4-5.7), built in the worker thread once the model is loaded
         self.kv_dir, self.kv_policy = kv_dir, kv_policy or CachePolicy()
         self.kv: DiskCache | None = None
@@ -176,13 +208,18 @@ class Worker:
             self._current = job
             try:
                 result = self._serve(job)
+                result.live_pos = self.session.pos
                 self.served += 1
                 if job.on_result:
                     job.on_result(result)
                 job.post("done", result)
+            except Refused as e:  # nothing ran; the session and its bindings are untouched
+                job.post("error", e.status, e.message, "invalid_request_error")
             except Exception as e:  # noqa: BLE001 - one bad request must never kill the worker
                 self.session.reset()
                 self._visible = None
+                with self._bind_lock:
+                    self._bindings = {}
                 self.trace(f"error: {type(e).__name__}: {e}")
                 job.post("error", 500, f"{type(e).__name__}: {e}")
             finally:
@@ -193,20 +230,24 @@ class Worker:
             job = self.jobs.get_nowait()
             if job is not None:
                 job.post("error", 503, "server shutting down")
-        self._save_live("shutdown")
+        self._save_live("shutdown", self._bindings.get("responses"))
 
     # -- disk cache helpers ----------------------------------------------------------------------------------
     def _chunk(self) -> int:
         return getattr(self.session, "chunk_size", DEFAULT_CHUNK) or DEFAULT_CHUNK
 
-    def _save_live(self, reason: str) -> None:
-        """evict/shutdown save of the whole live session, keyed by the thinking-visible text when that binding
-        matches the live frontier (ext bit2), else by the live tokens' bytes."""
+    def _save_live(self, reason: str, responses: LiveBinding | None = None) -> None:
+        """evict/shutdown save of the whole live session, keyed by the visible text of a Responses binding
+        (ext bit1) or of the thinking-visible binding (ext bit2) when it matches the live frontier, else by the
+        live tokens' bytes."""
         kv, s = self.kv, self.session
         if kv is None or s is None or s.logits is None or s.pos < kv.policy.min_tokens:
             return
         try:
-            if self._visible is not None and self._visible_pos == s.pos:
+            if responses is not None and responses.visible is not None and responses.pos == s.pos:
+                text = responses.visible.encode("utf-8", "surrogateescape")
+                kv.store(s, text, reason, flags=FLAG_RESPONSES_VISIBLE, tool_map=self._tool_map(text))
+            elif self._visible is not None and self._visible_pos == s.pos:
                 text = self._visible.encode("utf-8", "surrogateescape")
                 kv.store(s, text, reason, flags=FLAG_THINKING_VISIBLE, tool_map=self._tool_map(text))
             else:
@@ -242,11 +283,28 @@ class Worker:
         return {"requests": self.counters["requests"],
                 "hits": {k[4:]: v for k, v in self.counters.items() if k.startswith("hit:")},
                 "misses": {k[5:]: v for k, v in self.counters.items() if k.startswith("miss:")},
+                "conflicts": self.counters["conflicts"],
                 "tokens_reused": self.counters["tokens_reused"],
                 "prefill_tokens_computed": self.counters["prefill_tokens"],
                 "live_tokens": self.session.pos if self.session is not None else 0,
                 "last_decisions": list(self.decisions),
                 "disk": self.kv.summary() if self.kv is not None else None}
+
+    # -- live protocol bindings (§5.3) ----------------------------------------------------------------------
+    def live_call_ids(self, kind: str) -> frozenset[str]:
+        """The call ids of the live binding of ``kind`` (parse-time check of tool outputs, §4.8)."""
+        with self._bind_lock:
+            b = self._bindings.get(kind)
+        return b.ids if b is not None else frozenset()
+
+    def bind(self, kind: str, result: Result, ids: list[str], visible: str | None = None) -> bool:
+        """Remember the live frontier of a finished ``responses``/``anthropic`` turn (called by the request thread
+        with the call ids it showed the client). Ignored once another job has started: its frontier is gone."""
+        with self._bind_lock:
+            if result.epoch != self._epoch:
+                return False
+            self._bindings[kind] = LiveBinding(result.live_pos, frozenset(ids), visible)
+            return True
 
     # -- prefix reuse (§5.2) -------------------------------------------------------------------------------
     def _live_text(self) -> str:
@@ -257,8 +315,42 @@ class Worker:
         live = list(self.session.tokens)
         fresh = job.tokens
         n = len(live)
-        visible, self._visible = self._visible, None  # any request that does not continue it clears it
-        if n and self.session.logits is not None:
+        with self._bind_lock:  # any request that does not continue a binding clears them all
+            self._epoch += 1
+            job_epoch, bindings, self._bindings = self._epoch, self._bindings, {}
+        job.epoch = job_epoch
+        visible, self._visible = self._visible, None
+        has_live = n > 0 and self.session.logits is not None
+        resp, cont = bindings.get("responses"), job.continuation
+        # §5.2 #1: the Responses visible transcript at the live frontier
+        if (has_live and job.kind == "responses" and resp is not None and resp.visible is not None
+                and resp.pos == n and job.prompt_text.startswith(resp.visible + EOS)
+                and len(job.prompt_text) > len(resp.visible + EOS)):
+            with self.tok_lock:
+                rest = self.tokenizer.encode_chat(job.prompt_text[len(resp.visible):])
+            return live + rest, n, "responses-visible", f"live-prefix hit: Responses visible text ({n} tokens)"
+        # §5.2 #2/#3: tool outputs answering exactly the live call ids -> live tokens + §5.3 tail
+        b = bindings.get(job.kind) if cont is not None else None
+        if has_live and b is not None and b.pos == n and b.ids == cont.ids:
+            with self.tok_lock:
+                rest = self.tokenizer.encode_chat(cont.tail)
+            source = f"{job.kind}-tool-output"
+            return live + rest, n, source, f"live-prefix hit: {source} ({len(cont.ids)} call ids, {n} tokens)"
+        if cont is not None and cont.requires_live:  # tool outputs without their calls and no live state
+            with self._bind_lock:
+                if self._epoch == job_epoch:  # nothing ran: keep the bindings for a request that matches
+                    self._bindings = bindings
+            self._visible = visible
+            why = ("no live binding" if b is None else f"live frontier {b.pos} != {n}" if b.pos != n
+                   else f"call ids {sorted(cont.ids)} != live {sorted(b.ids)}")
+            self.counters["requests"] += 1
+            self.counters["conflicts"] += 1
+            self.decisions.append({"kind": job.kind, "prompt_tokens": len(fresh), "cached_tokens": 0,
+                                   "source": "conflict", "reason": f"409: live tool state lost ({why})",
+                                   "cold_save_at": None, "time": int(time.time())})
+            self.trace(f"--- {job.kind} request: 409, live tool state lost ({why})")
+            raise Refused(409, LOST[job.kind])
+        if has_live:
             if len(fresh) >= n and fresh[:n] == live:
                 return fresh, n, "memory-token", f"live-prefix hit: live tokens are a prefix ({n} tokens)"
             if (visible is not None and self._visible_pos == n and job.kind in ("chat", "anthropic")
@@ -276,7 +368,7 @@ class Worker:
             return fresh, 0, "cold", "miss: no live prefix" + (" (disk cache off)" if self.kv_dir is None else "")
         # §5.2 #7: save the live session before it is replaced, then look on disk
         self._visible = visible
-        self._save_live("evict")
+        self._save_live("evict", resp)
         self._visible = None
         self._last_saved = 0
         if len(fresh) < self.kv.policy.min_tokens:
@@ -333,6 +425,9 @@ class Worker:
         tok = self.tokenizer
         t0 = time.monotonic()
         tokens, reused, source, reason = self._plan(job)
+        if len(tokens) >= self.ctx and source.endswith("-tool-output"):  # the live KV is the only prompt there is
+            raise Refused(400, f"Prompt has {len(tokens)} tokens, but the configured context size is {self.ctx} "
+                               "tokens")
         if len(tokens) >= self.ctx:  # a byte-prefix hit can tokenize differently: fall back to cold
             tokens, reused, source, reason = job.tokens, 0, "cold", "miss: reused prefix tokenizes past the context"
         P = len(tokens)
@@ -354,7 +449,7 @@ class Worker:
         job.post("start", {"prompt_tokens": P, "cached_tokens": reused, "source": source})
         if not self._sync(job, tokens, reused, cold_at):
             self.trace("cancelled during prefill")
-            return Result("error", "", P, reused, 0, source, reason)
+            return Result("error", "", P, reused, 0, source, reason, job.epoch)
         t1 = time.monotonic()
 
         p = job.params
@@ -426,4 +521,4 @@ class Worker:
             content = raw[raw.find(THINK_END) + len(THINK_END):]
             self._visible = job.prompt_text[: -len(THINK)] + THINK_END + content
             self._visible_pos = self.session.pos
-        return Result(finish, raw, P, reused, n_gen, source, reason)
+        return Result(finish, raw, P, reused, n_gen, source, reason, job.epoch)
