@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds4_mlx.layout import EXPERT_VARIANTS, decode_bytes_per_token  # noqa: E402
 from ds4_mlx.model.model import Model, hc_post, hc_pre  # noqa: E402  (the HC functions the model uses)
 from ds4_mlx.session import Session  # noqa: E402
-from ds4_mlx.random_model import random_block_bytes, random_dense, random_weights, shape_config  # noqa: E402,F401
+from ds4_mlx.random_model import random_weights, shape_config  # noqa: E402
 from ds4_mlx.weights import kernel_backend  # noqa: E402
 
 def tensor_bytes(weights: dict) -> dict[str, int]:

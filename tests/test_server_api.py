@@ -78,7 +78,7 @@ def test_chat_tool_call_round_trip(base):
 
 def test_chat_tool_call_stream(base):
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
-    two = CALL.replace(f"</｜DSML｜tool_calls>", "") + (
+    two = CALL.replace("</｜DSML｜tool_calls>", "") + (
         '<｜DSML｜invoke name="read">\n<｜DSML｜parameter name="path" string="true">a&amp;b.txt</｜DSML｜parameter>\n'
         "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
     stream = client.chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": "go"}],

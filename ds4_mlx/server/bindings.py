@@ -19,7 +19,7 @@ from ..chat import Message, ThinkMode
 from ..dsml import esc_result, render_tool_calls
 from ..tokenizer import ASSISTANT, EOS, THINK, THINK_END, USER
 from .common import APIError, ChatRequest, Outcome
-from .worker import LOST, LiveBinding  # noqa: F401 - the worker owns the bindings; re-exported here
+from .worker import LOST
 
 _SYSTEM = ("system", "developer")
 _TOOL = ("tool", "function")
