@@ -22,12 +22,6 @@ def main():
     env = dict(os.environ)
     env.pop("DS4_MLX_KERNELS", None)  # automatic backend: the GPU kernels
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
-    # On a bare device copy (package not installed) make ds4_mlx.kernels importable the way the installed
-    # package maps it (pyproject: package-dir ds4_mlx.kernels = custom_kernels).
-    link = ROOT / "ds4_mlx" / "kernels"
-    probe = subprocess.run([sys.executable, "-c", "import ds4_mlx.kernels"], cwd=ROOT, env=env, capture_output=True)
-    if probe.returncode != 0 and not link.exists():
-        link.symlink_to(Path("..") / "custom_kernels")
     rc = 0
     if "--skip-tests" not in sys.argv:
         tests = ["tests/test_kernels.py", "tests/test_weights.py", "tests/test_quants.py"]

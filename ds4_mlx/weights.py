@@ -54,19 +54,9 @@ def kernel_backend() -> str:
 
 
 def _kernels():
-    """``custom_kernels/``, installed as ``ds4_mlx.kernels``; in a source checkout, loaded from the repo."""
-    try:
-        from ds4_mlx import kernels
-    except ImportError:
-        import importlib.util
-        import sys
-        from pathlib import Path
+    """``custom_kernels/`` as ``ds4_mlx.kernels`` (imported lazily: the CPU path never needs it)."""
+    from ds4_mlx import kernels
 
-        src = Path(__file__).resolve().parent.parent / "custom_kernels" / "__init__.py"
-        spec = importlib.util.spec_from_file_location("ds4_mlx.kernels", src, submodule_search_locations=[str(src.parent)])
-        kernels = importlib.util.module_from_spec(spec)
-        sys.modules["ds4_mlx.kernels"] = kernels
-        spec.loader.exec_module(kernels)
     return kernels
 
 

@@ -23,12 +23,11 @@ from gguf import GGMLQuantizationType as QT
 from ds4_mlx.model import hyper
 from ds4_mlx.model.compressor import NEG, Compressor
 from ds4_mlx.model.rope import Rope
+from ds4_mlx.kernels import fused
 from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend
+from kernel_util import render_metal_sources
 
 kernels = _kernels()
-from ds4_mlx.kernels import fused  # noqa: E402  (after _kernels() registers the package in a source checkout)
-
-from kernel_util import render_metal_sources  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKEND = kernel_backend()
