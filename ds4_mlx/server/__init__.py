@@ -3,10 +3,5 @@
 ``app`` (ASGI routes) · ``worker`` (the single model thread, prefix reuse, generation) · ``openai`` /
 ``responses`` / ``anthropic`` (request parsing and wire formats) · ``sse`` (events, streaming text split) ·
 ``common`` (shared request model, errors, usage, tool replay memory) · ``cli`` (the ``serve`` command).
+Nothing is imported here, so ``ds4-mlx`` commands other than ``serve`` never load the ASGI stack.
 """
-
-from .app import ServerConfig, create_app
-from .cli import run_server, serve
-from .worker import GenParams, Job, Worker
-
-__all__ = ["ServerConfig", "create_app", "run_server", "serve", "GenParams", "Job", "Worker"]
