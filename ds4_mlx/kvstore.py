@@ -355,15 +355,21 @@ class KVFile:
     tool_map: dict[str, str]
 
 
+def _read_header(f) -> tuple[KVHeader, int]:
+    """The header of an open KVC file and the file's size; raises :class:`KVCacheError` when truncated."""
+    head = KVHeader.unpack(f.read(HEADER.size))
+    size = os.fstat(f.fileno()).st_size
+    if size < head.size:
+        raise KVCacheError(f"truncated: {size} bytes, header says {head.size}")
+    return head, size
+
+
 def read_kv_file(path: str | os.PathLike, *, with_payload: bool = True) -> KVFile:
     """Read and check the framing of a KVC file (raises :class:`KVCacheError`)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            head = KVHeader.unpack(f.read(HEADER.size))
-            size = os.fstat(f.fileno()).st_size
-            if size < head.size:
-                raise KVCacheError(f"truncated: {size} bytes, header says {head.size}")
+            head, _ = _read_header(f)
             text = f.read(head.text_bytes)
             payload = f.read(head.payload_bytes) if with_payload else b""
             trailer = f.read() if with_payload and head.flags & FLAG_TOOL_MAP else b""
@@ -484,10 +490,7 @@ def list_entries(directory: str | os.PathLike, skip: Callable[[str, str], None] 
             continue
         try:
             with open(p, "rb") as f:
-                head = KVHeader.unpack(f.read(HEADER.size))
-                size = os.fstat(f.fileno()).st_size
-            if size < head.size:
-                raise KVCacheError(f"truncated: {size} bytes, header says {head.size}")
+                head, size = _read_header(f)
         except (OSError, KVCacheError) as e:
             if skip is not None:
                 skip(p.name, str(e))
