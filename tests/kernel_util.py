@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx import quants
@@ -42,3 +45,26 @@ def render_metal_sources(script: str) -> dict[str, str]:
         assert m, f"no generated source printed for {tag}"
         out[tag] = m.group(1)
     return out
+
+
+def gxx_metal_check(sources, tmp_path: Path, name: str = "metal") -> subprocess.CompletedProcess:
+    """``g++ -fsyntax-only`` of Metal sources (each in its own namespace) against the Metal shim; skips without g++."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not found: Metal syntax check not run")
+    tu = tmp_path / f"{name}.cpp"
+    tu.write_text("\n".join(f"namespace tu_{i} {{\n{src}\n}}\n" for i, src in enumerate(sources)))
+    shim = ROOT / "custom_kernels" / "metal_shim.h"
+    return subprocess.run([gxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-include", str(shim), str(tu)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def nvcc_compile(source: str, tmp_path: Path, name: str = "cuda") -> subprocess.CompletedProcess:
+    """``nvcc -arch=sm_90 -c`` of one CUDA translation unit, with ptxas stats on stderr; skips without nvcc."""
+    nvcc = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
+    if not nvcc:
+        pytest.skip("nvcc not found on this machine: CUDA compile check not run")
+    tu = tmp_path / f"{name}.cu"
+    tu.write_text(source)
+    return subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(tu), "-o", str(tmp_path / f"{name}.o"),
+                           "-Xptxas", "-v"], capture_output=True, text=True, timeout=600)

@@ -10,9 +10,6 @@ device, on random inputs at the tiny and the real V4 shapes.
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,7 +22,7 @@ from ds4_mlx.model.compressor import NEG, Compressor
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.kernels import fused
 from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend
-from kernel_util import render_metal_sources
+from kernel_util import gxx_metal_check, nvcc_compile, render_metal_sources
 
 kernels = _kernels()
 
@@ -100,9 +97,6 @@ for i, (kind, template) in enumerate(fused.instantiations()):
 
 
 def test_metal_instantiations_typecheck(tmp_path):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found")
     sources = render_metal_sources(RENDER_METAL)
     assert sorted(sources) == sorted(fused.tag(k, t) for k, t in fused.instantiations())
     for tag, src in sources.items():
@@ -111,23 +105,13 @@ def test_metal_instantiations_typecheck(tmp_path):
     assert "const constant float* post" in sources["hc_post_NHC4"]  # the decode case's small input
     assert "const constant float* scale" in sources["hc_pre_NHC4_NITER20_TPB4"]
     assert "device float* comb_out" in sources["hc_pre_NHC4_NITER20_TPB1"]
-    tu = tmp_path / "fused_metal.cpp"
-    tu.write_text("\n".join(f"namespace tu_{i} {{\n{s}\n}}\n" for i, s in enumerate(sources.values())))
-    shim = ROOT / "custom_kernels" / "metal_shim.h"
-    r = subprocess.run([gxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-include", str(shim), str(tu)],
-                       capture_output=True, text=True, timeout=300)
+    r = gxx_metal_check(sources.values(), tmp_path, "fused_metal")
     assert r.returncode == 0, r.stderr[-6000:]
 
 
 def test_cuda_instantiations_compile(tmp_path):
-    nvcc = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
-    if not nvcc:
-        pytest.skip("nvcc not found on this machine: CUDA compile check not run")
     insts = fused.instantiations()
-    tu = tmp_path / "fused.cu"
-    tu.write_text(fused.render_cuda_unit(insts))
-    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(tu), "-o", str(tmp_path / "fused.o"),
-                        "-Xptxas", "-v"], capture_output=True, text=True, timeout=600)
+    r = nvcc_compile(fused.render_cuda_unit(insts), tmp_path, "fused")
     assert r.returncode == 0, r.stderr[-6000:]
     for kind, template in insts:
         assert f"custom_kernel_ds_{fused.tag(kind, template)}" in r.stderr  # ptxas built every entry point
@@ -136,14 +120,8 @@ def test_cuda_instantiations_compile(tmp_path):
 
 def test_cuda_check_catches_errors(tmp_path):
     """The nvcc check is not vacuous: a body error fails it."""
-    nvcc = shutil.which("nvcc")
-    if not nvcc:
-        pytest.skip("nvcc not found on this machine")
     src = fused.render_cuda_unit([("hc_post", (("NHC", 4),))]).replace("const float yv", "const float yv = no_such;//")
-    tu = tmp_path / "bad.cu"
-    tu.write_text(src)
-    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(tu), "-o", str(tmp_path / "bad.o")],
-                       capture_output=True, text=True, timeout=300)
+    r = nvcc_compile(src, tmp_path, "bad")
     assert r.returncode != 0 and "no_such" in r.stderr
 
 

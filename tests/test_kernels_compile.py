@@ -6,16 +6,13 @@
 All instantiations go into one translation unit per backend to keep the checks fast.
 """
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from ds4_mlx.weights import _kernels
 
-from kernel_util import render_metal_sources  # noqa: E402
+from kernel_util import gxx_metal_check, nvcc_compile, render_metal_sources  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 kernels = _kernels()
@@ -43,9 +40,6 @@ for i, inst in enumerate(k.instantiations()):
 
 @pytest.mark.slow
 def test_metal_instantiations_typecheck(tmp_path):
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found")
     sources = render_metal_sources(RENDER_METAL)
     insts = kernels.instantiations()
     assert sorted(sources) == sorted(i.tag for i in insts)
@@ -53,43 +47,22 @@ def test_metal_instantiations_typecheck(tmp_path):
         assert "#define DS_METAL" in src and "ds_lane = thread_index_in_simdgroup" in src
         assert "[[kernel]]" in src and "template [[host_name(" in src
         assert "const device uint8_t* w [[buffer(0)]]" in src
-    tu = tmp_path / "metal_all.cpp"
-    tu.write_text("\n".join(f"namespace tu_{i} {{\n{src}\n}}\n" for i, src in enumerate(sources.values())))
-    shim = ROOT / "custom_kernels" / "metal_shim.h"
-    r = subprocess.run(
-        [gxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-include", str(shim), str(tu)],
-        capture_output=True, text=True, timeout=300,
-    )
+    r = gxx_metal_check(sources.values(), tmp_path, "metal_all")
     assert r.returncode == 0, r.stderr[-6000:]
 
 
 def test_metal_shim_catches_errors(tmp_path):
     """The g++ check is not vacuous: a body error (unknown identifier) fails it."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found")
     src = kernels.render_header("metal") + "\ntemplate <int QT> [[kernel]] void k(const device uint8_t* w, device float* y) {\n"
     src += "y[0] = ds_dot32(QT, w, 0u, nullptr, no_such_variable);\n}\n"
-    tu = tmp_path / "bad.cpp"
-    tu.write_text(src)
-    shim = ROOT / "custom_kernels" / "metal_shim.h"
-    r = subprocess.run([gxx, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-include", str(shim), str(tu)],
-                       capture_output=True, text=True)
+    r = gxx_metal_check([src], tmp_path, "bad")
     assert r.returncode != 0 and "no_such_variable" in r.stderr
 
 
 @pytest.mark.slow
 def test_cuda_instantiations_compile(tmp_path):
-    nvcc = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
-    if not nvcc:
-        pytest.skip("nvcc not found on this machine: CUDA compile check not run")
     insts = kernels.instantiations()
-    tu = tmp_path / "cuda_all.cu"
-    tu.write_text(kernels.render_cuda_translation_unit(insts))
-    r = subprocess.run(
-        [nvcc, "-arch=sm_90", "-std=c++17", "-c", str(tu), "-o", str(tmp_path / "cuda_all.o"), "-Xptxas", "-v"],
-        capture_output=True, text=True, timeout=600,
-    )
+    r = nvcc_compile(kernels.render_cuda_translation_unit(insts), tmp_path, "cuda_all")
     assert r.returncode == 0, r.stderr[-6000:]
     for inst in insts:
         assert f"custom_kernel_ds_{inst.tag}" in r.stderr  # ptxas compiled every entry point
