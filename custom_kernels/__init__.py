@@ -43,6 +43,11 @@ MV_CONFIG = {
     QT.BF16: (2, 4),
     QT.F32: (1, 4),
 }
+#: Split K across the NSG simdgroups of a threadgroup (template KS = NSG) when the unsplit launch would have
+#: fewer threadgroups than this (all tokens/pairs counted): the small decode projections. The 6-expert
+#: gathered launches (1536 groups) stay unsplit: split, they were 1.5x slower on the H200
+#: (benchmarks/decode_profile.py --sweep).
+MV_KSPLIT_BELOW = 512
 #: Token tile widths of the prefill kernel (dense and gathered).
 MM_BN_DENSE = 64
 MM_BN_GATHER = 32
@@ -129,9 +134,15 @@ class Instantiation:
         return f"{self.kind}_" + "_".join(f"{k}{int(v)}" for k, v in self.template)
 
 
-def mv_template(qtype: QT, gather: bool) -> tuple:
+def mv_config(qtype: QT, n_out: int, n_pairs: int) -> tuple[int, int, int]:
+    """(NR, NSG, KS) of a matvec launch: the type's tuning, K split when the launch is small."""
     nr, nsg = MV_CONFIG[QT(qtype)]
-    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)))
+    groups = -(-n_out // (nr * nsg)) * n_pairs
+    return nr, nsg, (nsg if groups < MV_KSPLIT_BELOW else 1)
+
+
+def mv_template(qtype: QT, gather: bool, nr: int, nsg: int, ks: int) -> tuple:
+    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks))
 
 
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
@@ -142,8 +153,10 @@ def instantiations() -> list[Instantiation]:
     """Every specialization the dispatcher can launch (the compile-check matrix)."""
     out = []
     for qt in KERNEL_TYPES:
+        nr, nsg = MV_CONFIG[qt]
         for gather in (False, True):
-            out.append(Instantiation("mv", mv_template(qt, gather)))
+            for ks in (1, nsg):
+                out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks)))
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
     return out
@@ -220,20 +233,28 @@ def supports(qw) -> bool:
     return qw.qtype in KERNEL_TYPES and qw.shape[-1] % 32 == 0
 
 
-def mv(qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None) -> mx.array:
-    """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out]."""
+def mv(
+    qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
+    config: tuple[int, int, int] | None = None,
+) -> mx.array:  # fmt: skip
+    """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
+
+    ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG).
+    """
     *_, n_out, n_in = qw.shape
     wb = weight_bytes(qw)
     gather = ids is not None
     P = ids.size if gather else x2.shape[0]
-    nr, nsg = MV_CONFIG[qw.qtype]
+    nr, nsg, ks = config or mv_config(qw.qtype, n_out, P)
+    if nsg % ks:
+        raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")
     per_slot = int(gather and x2.shape[0] == P and k_slots > 1)
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P)
     kern = get_kernel("mv", backend)
-    groups = -(-n_out // (nr * nsg))
+    groups = -(-n_out // (nr * nsg // ks))
     return kern(
         inputs=[wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params],
-        template=list(mv_template(qw.qtype, gather)),
+        template=list(mv_template(qw.qtype, gather, nr, nsg, ks)),
         grid=(groups * 32 * nsg, 1, P),
         threadgroup=(32 * nsg, 1, 1),
         output_shapes=[(P, n_out)],

@@ -3,7 +3,8 @@
 Three write-once bodies next to the quant kernels, rendered with the same header and prologues
 (:func:`ds4_mlx.kernels.render_header`, ``METAL_PROLOGUE`` / ``CUDA_PROLOGUE``) plus ``fused.h``:
 
-- ``hc_pre.body``: HC pre (MODEL.md §4.3) in one launch, one threadgroup per token.
+- ``hc_pre.body``: HC pre (MODEL.md §4.3) in one launch, one threadgroup per token (prefill); for decode-sized
+  T, ``hc_mix.body`` first spreads the mixing matvec over many threadgroups and hc_pre sums its partials.
 - ``hc_post.body``: HC post (§4.9), ``S_new = post ⊗ y + Cᵀ S``.
 - ``comp_pool.body``: the compressor's window pooling, RMSNorm × weight and RoPE at the window start
   (§4.6 steps 4–6); the FP8/QAT/f16r simulations that follow stay in MLX.
@@ -31,6 +32,10 @@ HC_PRE_THREADS = 256
 HC_PRE_TPB_CHOICES = (1, 2, 4)
 HC_PRE_TPB_PREFILL = 2
 HC_PRE_TPB_MIN_T = 64  # from this many tokens on, use HC_PRE_TPB_PREFILL
+#: Up to this many tokens HC pre runs in two launches: hc_mix over K slices, then hc_pre on the partials.
+HC_PRE_SPLIT_MAX_T = 8
+#: Threads per hc_mix threadgroup; one f16 pair of fn per thread per slice.
+HC_MIX_THREADS = 256
 #: Threads per threadgroup of the HC post kernel (largest of these dividing E).
 HC_POST_THREADS = (256, 128, 64, 32)
 
@@ -47,10 +52,11 @@ class KernelSpec:
 SPECS = {
     "hc_pre": KernelSpec(
         (("S", "float"), ("fnw", "uint32_t"), ("scale", "float"), ("base", "float"), ("epsv", "float"),
-         ("params", "int32_t")),
+         ("params", "int32_t"), ("part", "float")),
         ("x_out", "post_out", "comb_out"),
-        ("NHC", "NITER", "TPB"),
+        ("NHC", "NITER", "TPB", "SPLIT"),
     ),
+    "hc_mix": KernelSpec((("S", "float"), ("fnw", "uint32_t"), ("params", "int32_t")), ("part",), ("NHC",)),
     "hc_post": KernelSpec(
         (("S", "float"), ("y", "float"), ("post", "float"), ("comb", "float"), ("params", "int32_t")),
         ("S_out",),
@@ -98,7 +104,8 @@ def get_fused_kernel(kind: str, backend: str):
 
 def instantiations() -> list[tuple[str, tuple]]:
     """Specializations launched at the V4 and tiny shapes (the compile-check matrix): (kind, template)."""
-    out = [("hc_pre", (("NHC", 4), ("NITER", 20), ("TPB", tpb))) for tpb in HC_PRE_TPB_CHOICES]
+    out = [("hc_pre", (("NHC", 4), ("NITER", 20), ("TPB", tpb), ("SPLIT", 0))) for tpb in HC_PRE_TPB_CHOICES]
+    out += [("hc_pre", (("NHC", 4), ("NITER", 20), ("TPB", 1), ("SPLIT", 1))), ("hc_mix", (("NHC", 4),))]
     out.append(("hc_post", (("NHC", 4),)))
     for hd, rows, lanes in ((512, 8, 2), (128, 8, 2), (512, 128, 1), (128, 16, 1), (128, 128, 1)):
         out.append(("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes))))
@@ -181,12 +188,14 @@ def _fn_pairs(fn: Any) -> mx.array | None:
 
 
 def hc_pre(
-    S: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg, *, backend: str | None = None, tpb: int | None = None
-):
+    S: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg, *, backend: str | None = None, tpb: int | None = None,
+    split: bool | None = None,
+):  # fmt: skip
     """Fused HC pre (MODEL.md §4.3); same signature and results as :func:`ds4_mlx.model.hyper.hc_pre`.
 
     S ``[T, n_hc, E]`` f32; fn the F16 ``QuantWeight [2n+n², n*E]``; scale ``[3]``; base ``[2n+n²]``.
-    Returns ``x [T, E]``, ``post [T, n_hc]``, ``comb [T, n_hc, n_hc]``.
+    Returns ``x [T, E]``, ``post [T, n_hc]``, ``comb [T, n_hc, n_hc]``. ``tpb`` and ``split`` override the
+    launch choice (tests and benchmarks): ``split`` runs hc_mix first (default for T <= HC_PRE_SPLIT_MAX_T).
     """
     from ds4_mlx.model import hyper
 
@@ -203,13 +212,28 @@ def hc_pre(
     fnw = _fn_pairs(fn)
     if b == "fallback" or fnw is None or n_hc not in (1, 2, 4) or T == 0:
         return hyper.hc_pre(S, fn, scale, base, cfg)
+    if split is None:
+        split = tpb is None and T <= HC_PRE_SPLIT_MAX_T
     if tpb is None:
-        tpb = HC_PRE_TPB_PREFILL if T >= HC_PRE_TPB_MIN_T else 1
-    if tpb not in HC_PRE_TPB_CHOICES:
-        raise ValueError(f"hc_pre: tpb must be one of {HC_PRE_TPB_CHOICES}, got {tpb}")
+        tpb = HC_PRE_TPB_PREFILL if T >= HC_PRE_TPB_MIN_T and not split else 1
+    if tpb not in HC_PRE_TPB_CHOICES or (split and tpb != 1):
+        raise ValueError(f"hc_pre: tpb must be one of {HC_PRE_TPB_CHOICES} (1 with split), got {tpb}")
+    S2 = S.reshape(T, n_hc * E)
+    part, G = _f32(0.0), 0
+    if split:
+        G = -(-(n_hc * E // 2) // HC_MIX_THREADS)
+        params = _i32(E, T, G)
+        part = get_fused_kernel("hc_mix", b)(
+            inputs=[S2, fnw, params],
+            template=[("NHC", n_hc)],
+            grid=(G * HC_MIX_THREADS, T, 1),
+            threadgroup=(HC_MIX_THREADS, 1, 1),
+            output_shapes=[(T, G, mix + 1)],
+            output_dtypes=[mx.float32],
+        )[0]
     x, post, comb = get_fused_kernel("hc_pre", b)(
-        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _i32(E, T)],
-        template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb)],
+        inputs=[S2, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _i32(E, T, G), part],
+        template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split))],
         grid=(-(-T // tpb) * HC_PRE_THREADS, 1, 1),
         threadgroup=(HC_PRE_THREADS, 1, 1),
         output_shapes=[(T, E), (T, n_hc), (T, n_hc * n_hc)],

@@ -103,8 +103,9 @@ def test_metal_instantiations_typecheck(tmp_path):
         assert "#define DS_METAL" in src and "[[kernel]]" in src and "template [[host_name(" in src
         assert "ds_lane = thread_index_in_simdgroup" in src
     assert "const constant float* post" in sources["hc_post_NHC4"]  # the decode case's small input
-    assert "const constant float* scale" in sources["hc_pre_NHC4_NITER20_TPB4"]
-    assert "device float* comb_out" in sources["hc_pre_NHC4_NITER20_TPB1"]
+    assert "const constant float* scale" in sources["hc_pre_NHC4_NITER20_TPB4_SPLIT0"]
+    assert "device float* comb_out" in sources["hc_pre_NHC4_NITER20_TPB1_SPLIT1"]
+    assert "device float* part" in sources["hc_mix_NHC4"]
     r = gxx_metal_check(sources.values(), tmp_path, "fused_metal")
     assert r.returncode == 0, r.stderr[-6000:]
 
@@ -300,13 +301,16 @@ def test_pool_wire_in_matches_compressor(ratio, hd, monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("T,E,tpb", [(1, 256, 1), (5, 256, 1), (5, 256, 2), (7, 256, 4), (1, 4096, 1),
-                                     (3, 4096, 1), (64, 4096, 4), (33, 4096, 2)])
-def test_hc_pre_kernel(T, E, tpb):
+@pytest.mark.parametrize("T,E,tpb,split", [(1, 256, 1, False), (5, 256, 1, False), (5, 256, 2, False),
+                                           (7, 256, 4, False), (1, 4096, 1, False), (3, 4096, 1, False),
+                                           (64, 4096, 4, False), (33, 4096, 2, False), (1, 4096, 1, True),
+                                           (3, 4096, 1, True), (1, 200, 1, True), (8, 256, 1, True)])
+def test_hc_pre_kernel(T, E, tpb, split):
+    """Both launch shapes: one threadgroup per TPB tokens, and hc_mix's K slices + hc_pre on the partials."""
     cfg = HCfg()
     S, fn, scale, base = hc_inputs(T, E, seed=T + E)
     ref = on_cpu(hyper.hc_pre, S, fn, scale, base, cfg)
-    got = fused.hc_pre(S, fn, scale, base, cfg, backend=BACKEND, tpb=tpb)
+    got = fused.hc_pre(S, fn, scale, base, cfg, backend=BACKEND, tpb=tpb, split=split)
     mx.eval(got)
     for name, g, r, tol in zip(("x", "post", "comb"), got, ref, (2e-5, 1e-5, 1e-5)):
         assert g.shape == r.shape, name

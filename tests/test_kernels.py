@@ -126,6 +126,30 @@ def test_mv_dense(qt, N):
 
 @needs_gpu
 @pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
+@pytest.mark.parametrize("config", [None, (4, 2, 1), (4, 2, 2), (2, 8, 8), (4, 4, 2)], ids=str)
+@pytest.mark.parametrize("gather", [False, True])
+def test_mv_k_split(qt, config, gather):
+    """K split across simdgroups (KS > 1) over 37 blocks of 256: 10 spans, the last one partial, unevenly
+    dealt to the KS simdgroups; every result equals the reference whatever (NR, NSG, KS) the launch uses."""
+    rng = np.random.default_rng(int(qt) * 31 + (config or (0,))[0])
+    n_in = 37 * 256
+    if gather:
+        w, ref = make_weight(rng, qt, (5, 75, n_in), np.float32)
+        ids = np.array([4, 0, 4, 2], dtype=np.int32)
+        x = rng.standard_normal((1, n_in)).astype(np.float32)
+        y = np.array(kernels.mv(w, mx.array(x), BACKEND, ids=mx.array(ids), k_slots=4, init=NAN, config=config))
+        assert y.shape == (4, 75) and not np.isnan(y).any()
+        assert rel_err(y, np.repeat(x, 4, 0), ref[ids], "ki,koi->ko") <= F32_TOL
+    else:
+        w, ref = make_weight(rng, qt, (75, n_in), np.float32)
+        x = rng.standard_normal((3, n_in)).astype(np.float32)
+        y = np.array(kernels.mv(w, mx.array(x), BACKEND, init=NAN, config=config))
+        assert y.shape == (3, 75) and not np.isnan(y).any()
+        assert rel_err(y, x, ref, "ni,oi->no") <= F32_TOL
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
 @pytest.mark.parametrize("N,bn", [(9, 64), (33, 64), (100, 32), (512, 64), (17, 16)])
 def test_mm_dense(qt, N, bn):
     rng = np.random.default_rng(int(qt) * 1000 + N)

@@ -9,6 +9,7 @@ All instantiations go into one translation unit per backend to keep the checks f
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx.weights import _kernels
 
@@ -73,7 +74,9 @@ def test_instantiation_matrix_covers_every_type_and_kind():
     tags = {i.tag for i in kernels.instantiations()}
     for qt in kernels.KERNEL_TYPES:
         for g in (0, 1):
-            assert any(t.startswith(f"mv_QT{int(qt)}_") and t.endswith(f"GATHER{g}") for t in tags)
+            nr, nsg = kernels.MV_CONFIG[qt]
+            for ks in (1, nsg):  # both launch shapes the dispatcher picks (kernels.mv_config)
+                assert f"mv_QT{int(qt)}_NR{nr}_NSG{nsg}_GATHER{g}_KS{ks}" in tags
             for bn in kernels.MM_BN_CHOICES:
                 assert f"mm_QT{int(qt)}_BN{bn}_GATHER{g}" in tags
 
@@ -86,3 +89,15 @@ def test_rendered_sources_share_one_body():
     hm, hc = kernels.render_header("metal"), kernels.render_header("cuda")
     assert hm.replace("DS_METAL", "DS_CUDA", 1) == hc
     assert kernels.iq2_grid_words().count("0x") == 512
+
+
+def test_mv_config_splits_k_only_for_small_launches():
+    """K is split (KS = NSG) for the small decode projections, never for the LM head or the expert gathers
+    (both measured slower split on the H200, benchmarks/RESULTS.md)."""
+    nr, nsg = kernels.MV_CONFIG[QT.Q8_0]
+    assert kernels.mv_config(QT.Q8_0, 1024, 1) == (nr, nsg, nsg)  # q_a
+    assert kernels.mv_config(QT.Q8_0, 129280, 1) == (nr, nsg, 1)  # LM head
+    assert kernels.mv_config(QT.Q8_0, 32768, 1)[2] == 1  # q_b
+    assert kernels.mv_config(QT.IQ2_XXS, 2048, 6)[2] == 1  # 6 routed experts
+    nr, nsg = kernels.MV_CONFIG[QT.F16]
+    assert kernels.mv_config(QT.F16, 256, 1) == (nr, nsg, nsg)  # router

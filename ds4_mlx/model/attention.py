@@ -27,10 +27,6 @@ from .compressor import Compressor, CompressorState
 from .indexer import Indexer, select_top_k, selected_indices
 from .rope import Rope, apply_rope
 
-# Grouped output projection: below this many (token, group) pairs use one matmul against the whole
-# attn_output_a and keep the diagonal blocks (weights read once, G x the FLOPs: fine for decode); above it,
-# an expert-style gather_matmul over the G row blocks (no wasted FLOPs in prefill).
-GROUPED_FULL_MAX_ROWS = 64
 # Prefill attention runs in blocks of queries whose score matrices fit in this many bytes.
 ATTN_BLOCK_BYTES = 1 << 28
 # With more than this many compressed rows per top-k slot, a prefill block gathers each query's selected
@@ -264,14 +260,10 @@ class Attention:
         T = o.shape[0]
         G, L = self.n_group, self.o_lora
         og = o.reshape(T, G, -1)  # [T, G, (H/G)*D]
-        if T * G <= GROUPED_FULL_MAX_ROWS:
-            full = self.attn_output_a.matmul(og).reshape(T, G, G, L)  # every group x every row block
-            diag = mx.arange(G).reshape(1, G, 1, 1)
-            low = mx.take_along_axis(full, diag, axis=2)  # [T, G, 1, L]
-        else:
-            # attn_output_a viewed as G "experts" of shape [L, (H/G)*D]; token t's slot g uses expert g.
-            ids = mx.broadcast_to(mx.arange(G, dtype=mx.int32)[None, :], (T, G))
-            low = self._output_a_grouped().gather_matmul(og, ids)  # [T, G, L]
+        # attn_output_a viewed as G "experts" of shape [L, (H/G)*D]; token t's slot g uses expert g, so each
+        # row block is read once and multiplied only by its own group (no G x wasted work or weight reads).
+        ids = mx.broadcast_to(mx.arange(G, dtype=mx.int32)[None, :], (T, G))
+        low = self._output_a_grouped().gather_matmul(og, ids)  # [T, G, L]
         return low.reshape(T, G * L)
 
     def _output_a_grouped(self):
