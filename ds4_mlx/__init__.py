@@ -12,20 +12,25 @@ import sys as _sys
 from pathlib import Path as _Path
 
 
-def _map_kernels_in_source_checkout() -> None:
-    """``custom_kernels/`` is installed as ``ds4_mlx.kernels`` (pyproject's package-dir). In a source checkout used
-    without installing (``PYTHONPATH=repo``, e.g. on the lent GPU) load it from the repo under that name."""
-    if "ds4_mlx.kernels" in _sys.modules or _ilu.find_spec("ds4_mlx.kernels") is not None:
+def _map_in_source_checkout(name: str, folder: str) -> None:
+    """``custom_kernels/`` and ``convert/`` are installed as ``ds4_mlx.kernels`` / ``ds4_mlx.convert`` (pyproject's
+    package-dir). In a source checkout used without installing (``PYTHONPATH=repo``, e.g. on the lent GPU) load
+    them from the repo under those names."""
+    full = f"ds4_mlx.{name}"
+    if full in _sys.modules or _ilu.find_spec(full) is not None:
         return
-    src = _Path(__file__).resolve().parent.parent / "custom_kernels" / "__init__.py"
-    spec = _ilu.spec_from_file_location("ds4_mlx.kernels", src, submodule_search_locations=[str(src.parent)])
+    src = _Path(__file__).resolve().parent.parent / folder / "__init__.py"
+    if not src.is_file():
+        return
+    spec = _ilu.spec_from_file_location(full, src, submodule_search_locations=[str(src.parent)])
     module = _ilu.module_from_spec(spec)
-    _sys.modules["ds4_mlx.kernels"] = module
+    _sys.modules[full] = module
     spec.loader.exec_module(module)
-    globals()["kernels"] = module
+    globals()[name] = module
 
 
-_map_kernels_in_source_checkout()
+_map_in_source_checkout("kernels", "custom_kernels")
+_map_in_source_checkout("convert", "convert")
 
 from .config import ModelConfig  # noqa: E402
 from .generate import generate, stream_generate  # noqa: E402
