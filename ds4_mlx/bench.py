@@ -267,10 +267,12 @@ def run_bench(
 
     warmup_s = 0.0
     if warmup:
-        # The first calls JIT-compile every kernel (NVRTC on CUDA, Metal library builds): not a speed.
+        # The first calls JIT-compile every kernel (NVRTC on CUDA, Metal library builds): not a speed. Go past
+        # 4 x indexer_top_k tokens so the indexer's selection path (prefill and decode) is compiled too: without
+        # it the H200 run's first gen row (2048) and second prefill row (4096) paid the compile (2.3 / 259 t/s).
         t0 = time.perf_counter()
         ws = Session(model, chunk_size=chunk)
-        ws.prefill(tokens[: min(chunk, ctx_points[0])])
+        ws.prefill(tokens[: min(ctx_points[-1], 4 * model.cfg.indexer_top_k + chunk)])
         tok = _greedy_no_eos(ws.logits, eos_mask)
         for _ in range(2):
             tok = _greedy_no_eos(ws.step(tok), eos_mask)
