@@ -1,0 +1,143 @@
+"""Host cost of one decode step on the GPU code path, measured on any machine (the CPU is enough).
+
+    python benchmarks/graph_cost.py [--layers 43] [--ctx 600] [--profile]
+
+On the H200 a decode step is host-bound: every MLX op costs the host ~5-7 µs to encode and launch
+(benchmarks/decode_profile.py), and building the step's graph in Python took 29-46 ms of the 85-100 ms step
+(benchmarks/RESULTS.md). Both costs depend on the graph's structure, not on the widths, so they can be
+measured here: a narrow model with the real layer pattern (``--layers`` layers of ratios 0, 0, 4, 128, 4, ...)
+runs the GPU dispatch path with every custom-kernel launch replaced by a constant output of the right
+shape (the wrappers' Python still runs). Reported: Python time to build one step's graph, and the step's
+op count split into kernel launches, compute ops and free view ops (reshape, slice, broadcast, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import pstats
+import re
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds4_mlx import weights as W  # noqa: E402
+from ds4_mlx.model.model import Model  # noqa: E402
+from ds4_mlx.random_model import random_weights  # noqa: E402
+from ds4_mlx.session import Session  # noqa: E402
+from ds4_mlx.testing import flash_config, tiny_config  # noqa: E402
+
+# Ops that move no data on the GPU (views and metadata); the rest are launches.
+VIEW_OPS = {"Reshape", "Slice", "Broadcast", "View", "ExpandDims", "Squeeze", "Flatten", "Unflatten",
+            "Transpose", "AsStrided", "Full", "StopGradient"}
+
+
+def narrow_config(layers: int):
+    """The tiny widths with the real layer pattern (hash layers, ratio 0/4/R alternation) of ``layers`` layers."""
+    t, f = tiny_config(), flash_config()
+    ratios = tuple(min(r, 16) if r > 4 else r for r in (f.compress_ratios * 2)[:layers])
+    return replace(t, n_layer=layers, compress_ratios=ratios, swiglu_clamp=(10.0,) * layers,
+                   n_hash_layer=min(f.n_hash_layer, layers))
+
+
+class FakeKernels:
+    """Swap every custom-kernel launch for constant outputs; counts the launches, keeps their inputs."""
+
+    def __init__(self):
+        from ds4_mlx.weights import _kernels
+
+        self.K = _kernels()
+        self.F = self.K.fused
+        self.calls = 0
+        self.inputs: list[mx.array] = []
+
+    def _fake(self, kind, backend):
+        def launch(*, inputs, output_shapes, output_dtypes, **_):
+            self.calls += 1
+            self.inputs.extend(inputs)
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    def __enter__(self):
+        self.saved = (W.kernel_backend, self.F.backend, self.F.get_fused_kernel, self.K.get_kernel)
+        W.kernel_backend = self.F.backend = lambda: "cuda"
+        self.F.get_fused_kernel = self.K.get_kernel = self._fake
+        return self
+
+    def __exit__(self, *exc):
+        W.kernel_backend, self.F.backend, self.F.get_fused_kernel, self.K.get_kernel = self.saved
+
+
+def op_counts(outputs: list[mx.array], extra: list[mx.array]) -> collections.Counter:
+    f = io.StringIO()
+    mx.export_to_dot(f, *outputs, *extra)
+    return collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', f.getvalue()))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=43)
+    ap.add_argument("--ctx", type=int, default=600, help="tokens prefilled before the measured step")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="also print the top Python hot spots")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    cfg = narrow_config(args.layers)
+    model = Model(cfg, random_weights(cfg, "q2"))
+    sess = Session(model)
+    sess.prefill([0] + np.random.default_rng(0).integers(2, cfg.n_vocab, args.ctx - 1).tolist())
+    tok = mx.array([int(mx.argmax(sess.logits).item())], dtype=mx.int32)
+
+    with FakeKernels() as fk:
+        def build():
+            fk.calls, fk.inputs = 0, []
+            return model(tok, sess.pos, [c.snapshot() for c in sess.caches])
+
+        build()  # warm caches (rope tables, params, compiled functions)
+        ts = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            build()
+            ts.append(time.perf_counter() - t0)
+        # On the CPU backend mx.fast.rms_norm is built from ~6 ops; on the GPU it is one: count it as one.
+        rms_norm = mx.fast.rms_norm
+        mx.fast.rms_norm = lambda x, w, eps: mx.erf(x)
+        try:
+            counts = op_counts([build()], fk.inputs)
+        finally:
+            mx.fast.rms_norm = rms_norm
+        calls = fk.calls
+        if args.profile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(3):
+                build()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    views = sum(v for k, v in counts.items() if k in VIEW_OPS)
+    compute = sum(counts.values()) - views
+    res = {
+        "layers": args.layers, "ctx": sess.pos, "build_ms": float(np.median(ts)) * 1e3,
+        "kernel_launches": calls, "compute_ops": compute, "view_ops": views,
+        "launches_per_layer": (calls + compute) / args.layers,  # what the GPU runs (views are free)
+        "top_compute_ops": dict(collections.Counter({k: v for k, v in counts.items() if k not in VIEW_OPS}).most_common(12)),
+    }
+    print(json.dumps(res, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
