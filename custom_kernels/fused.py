@@ -1,6 +1,6 @@
 """Fused hyper-connection and KV-compressor kernels (``ds4_mlx.kernels.fused``).
 
-Three write-once bodies next to the quant kernels, rendered with the same header and prologues
+Four write-once bodies next to the quant kernels, rendered with the same header and prologues
 (:func:`ds4_mlx.kernels.render_header`, ``METAL_PROLOGUE`` / ``CUDA_PROLOGUE``) plus ``fused.h``:
 
 - ``hc_pre.body``: HC pre (MODEL.md §4.3) in one launch, one threadgroup per token (prefill); for decode-sized
