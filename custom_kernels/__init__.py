@@ -241,26 +241,37 @@ def mv(
 
     ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG).
     """
-    *_, n_out, n_in = qw.shape
-    wb = weight_bytes(qw)
     gather = ids is not None
     P = ids.size if gather else x2.shape[0]
-    nr, nsg, ks = config or mv_config(qw.qtype, n_out, P)
-    if nsg % ks:
-        raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")
-    per_slot = int(gather and x2.shape[0] == P and k_slots > 1)
-    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P)
-    kern = get_kernel("mv", backend)
-    groups = -(-n_out // (nr * nsg // ks))
-    return kern(
+    # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
+    key = ("mv", backend, P, x2.shape[0], k_slots, gather, config)
+    plan = qw._cache.get(key)
+    if plan is None:
+        plan = qw._cache[key] = _mv_plan(qw, backend, P, x2.shape[0], k_slots, gather, config)
+    wb, params, template, grid, threadgroup, out_shape = plan
+    return get_kernel("mv", backend)(
         inputs=[wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params],
-        template=list(mv_template(qw.qtype, gather, nr, nsg, ks)),
-        grid=(groups * 32 * nsg, 1, P),
-        threadgroup=(32 * nsg, 1, 1),
-        output_shapes=[(P, n_out)],
+        template=template,
+        grid=grid,
+        threadgroup=threadgroup,
+        output_shapes=[out_shape],
         output_dtypes=[mx.float32],
         init_value=init,  # tests pass NaN to catch unwritten outputs
     )[0]
+
+
+def _mv_plan(qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config) -> tuple:
+    """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
+    *_, n_out, n_in = qw.shape
+    wb = weight_bytes(qw)
+    nr, nsg, ks = config or mv_config(qw.qtype, n_out, P)
+    if nsg % ks:
+        raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")
+    per_slot = int(gather and n_x == P and k_slots > 1)
+    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P)
+    groups = -(-n_out // (nr * nsg // ks))
+    template = list(mv_template(qw.qtype, gather, nr, nsg, ks))
+    return wb, params, template, (groups * 32 * nsg, 1, P), (32 * nsg, 1, 1), (P, n_out)
 
 
 def mm_dense(qw, x2: mx.array, backend: str, bn: int = MM_BN_DENSE, init=None) -> mx.array:

@@ -9,6 +9,7 @@ override the automatic choice (the GPU kernels when the default device is a GPU,
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -53,6 +54,7 @@ def kernel_backend() -> str:
     return name
 
 
+@functools.cache
 def _kernels():
     """``custom_kernels/`` as ``ds4_mlx.kernels`` (imported lazily: the CPU path never needs it)."""
     from ds4_mlx import kernels

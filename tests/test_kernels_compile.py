@@ -101,3 +101,26 @@ def test_mv_config_splits_k_only_for_small_launches():
     assert kernels.mv_config(QT.IQ2_XXS, 2048, 6)[2] == 1  # 6 routed experts
     nr, nsg = kernels.MV_CONFIG[QT.F16]
     assert kernels.mv_config(QT.F16, 256, 1) == (nr, nsg, nsg)  # router
+
+
+def test_mv_launch_plan():
+    """The matvec launch arithmetic (grid, threadgroup, template, scalar block) for a K-split and an unsplit
+    launch; plans are per weight and call shape."""
+    import numpy as np
+    from ds4_mlx.quants import random_blocks
+    from ds4_mlx.weights import QuantWeight
+
+    rng = np.random.default_rng(0)
+    w = QuantWeight.from_numpy(random_blocks(rng, QT.Q8_0, (1024, 4096)), QT.Q8_0, (1024, 4096))
+    wb, params, template, grid, tg, out = kernels._mv_plan(w, "cuda", 1, 1, 1, False, None)
+    assert dict(template)["KS"] == 4 and tg == (128, 1, 1) and out == (1, 1024)
+    assert grid == (1024 // 4 * 128, 1, 1)  # NR=4 rows per group of KS=4 simdgroups: 256 threadgroups
+    assert np.array(params).tolist() == [4096, 1024, 4096 // 32 * 34, 1, 0, 1, 0, 0]
+    e = QuantWeight.from_numpy(random_blocks(rng, QT.IQ2_XXS, (8, 64, 256)), QT.IQ2_XXS, (8, 64, 256))
+    nr, nsg = kernels.MV_CONFIG[QT.IQ2_XXS]
+    _, params, template, grid, tg, out = kernels._mv_plan(e, "cuda", 6, 1, 6, True, None)
+    assert dict(template)["KS"] == nsg and dict(template)["GATHER"] is True  # 6 pairs x 8 groups: split
+    assert grid == (-(-64 // nr) * 32 * nsg, 1, 6) and out == (6, 64)  # NR rows per threadgroup when split
+    assert np.array(params).tolist()[3:6] == [6, 0, 6]
+    _, _, template, grid, _, _ = kernels._mv_plan(e, "cuda", 6, 1, 6, True, (nr, nsg, 1))  # forced unsplit
+    assert dict(template)["KS"] == 1 and grid == (-(-64 // (nr * nsg)) * 32 * nsg, 1, 6)
