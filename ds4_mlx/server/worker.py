@@ -33,7 +33,7 @@ from typing import Any, Callable
 from ..chat import ThinkMode
 from ..dsml import DSMLTracker, ToolCallDetector
 from ..tokenizer import EOS, THINK, THINK_END, StreamingDetokenizer
-from ..sampling import XorShift64Star, sample
+from ..sampling import SamplingParams, XorShift64Star, sample, server_params
 from ..dsml import DecodeState
 from ..kvstore import FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE, CachePolicy, DiskCache
 
@@ -453,11 +453,7 @@ class Worker:
         t1 = time.monotonic()
 
         p = job.params
-        thinking = job.mode.thinking
-        if thinking:  # §3 rule 1: client knobs ignored in thinking mode
-            temp, top_k, top_p, min_p = 1.0, 0, 1.0, 0.05
-        else:
-            temp, top_k, top_p, min_p = p.temperature, p.top_k, p.top_p, p.min_p
+        client = SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p)
         max_tokens = p.max_tokens if p.max_tokens is not None else self.default_max_tokens
         max_tokens = max(0, min(max_tokens, self.ctx - P))
         rng = XorShift64Star(p.seed if p.seed and p.seed > 0 else None)
@@ -479,8 +475,10 @@ class Worker:
             if forced is not None:
                 token = forced[n_gen] if n_gen < len(forced) else tok.eos_id
             else:
-                greedy = tracker is not None and tracker.greedy  # §6.2: DSML structure is sampled greedily
-                token = sample(self.session.logits, 0.0 if greedy else temp, top_k, top_p, min_p, rng)
+                # §3: thinking mode ignores the client's knobs; §6.2: DSML structure is sampled greedily
+                sp = server_params(client, thinking=job.mode.thinking,
+                                   dsml_structure=tracker is not None and tracker.greedy)
+                token = sample(self.session.logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, rng)
             if token == tok.eos_id:
                 finish = "stop"
                 break
@@ -515,7 +513,7 @@ class Worker:
         self.trace(f"generated ({finish}, {n_gen} tokens, prefill {t1 - t0:.2f}s, decode {t2 - t1:.2f}s): {raw!r}")
 
         # thinking-visible binding: the client will replay this turn as `</think>content<EOS>`
-        if (job.kind in ("chat", "anthropic") and thinking and not job.tools_active and not job.tool_context
+        if (job.kind in ("chat", "anthropic") and job.mode.thinking and not job.tools_active and not job.tool_context
                 and finish == "stop" and not p.stop and THINK_END in raw
                 and job.prompt_text.endswith(THINK)):
             content = raw[raw.find(THINK_END) + len(THINK_END):]
