@@ -93,7 +93,8 @@ def layer_pieces(model: Model, il: int, cache, pos: int, tok: mx.array) -> dict:
         pieces["indexer compressor"] = lambda x: tie(x, a.indexer.compressor(x, pos, cache.index_state)[1].kv)
         if cache.n_index > a.indexer.top_k:
             idx = cache.index[: cache.n_index]
-            pieces["indexer scores"] = lambda x: tie(x, a.indexer.scores(x[:, : cfg.q_lora_rank], x, pos, idx))
+            Ci, Si = a.rope.tables([pos], a.indexer.head_dim)
+            pieces["indexer scores"] = lambda x: tie(x, a.indexer.scores(x[:, : cfg.q_lora_rank], x, Ci, Si, idx))
     return pieces
 
 

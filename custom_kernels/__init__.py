@@ -195,8 +195,7 @@ def _params(*vals: int) -> mx.array:
     """The int32[8] scalar block of a launch (cached: a fresh host array per call costs a copy)."""
     v = list(vals) + [0] * (8 - len(vals))
     a = mx.array(np.array(v, dtype=np.int32))
-    mx.eval(a)
-    return a
+    return a  # built from host data: already materialized (and safe to create inside a compile trace)
 
 
 def _pad_ids(ids: mx.array, backend: str) -> mx.array:

@@ -153,15 +153,13 @@ def _pick(b: str | None) -> str:
 @lru_cache(maxsize=256)
 def _i32(*vals: int) -> mx.array:
     a = mx.array(list(vals) + [0] * (8 - len(vals)), dtype=mx.int32)
-    mx.eval(a)
-    return a
+    return a  # built from host data: already materialized (and safe to create inside a compile trace)
 
 
 @lru_cache(maxsize=256)
 def _f32(*vals: float) -> mx.array:
     a = mx.array(list(vals) + [0.0] * (8 - len(vals)), dtype=mx.float32)
-    mx.eval(a)
-    return a
+    return a  # built from host data: already materialized (and safe to create inside a compile trace)
 
 
 def _check_f32(name: str, a: mx.array, shape: tuple) -> None:

@@ -17,13 +17,15 @@ prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
 from ..numerics import Numerics, get_numerics, kv_row
-from .compressor import Compressor, CompressorState
+from .compressor import Compressor, CompressorState, index_array
 from .indexer import Indexer, select_top_k, selected_indices
 from .rope import Rope, apply_rope
 
@@ -60,6 +62,25 @@ class LayerCache:
     def index_rows(self) -> mx.array | None:
         return None if self.index is None else self.index[: self.n_index]
 
+    def decode_state(self) -> dict[str, mx.array]:
+        """The arrays a one-token step reads and replaces (see :meth:`Attention.decode`)."""
+        st = {"raw": self.raw}
+        if self.comp is not None:
+            st.update(comp=self.comp, ckv=self.comp_state.kv, csc=self.comp_state.score)
+        if self.index is not None:
+            st.update(index=self.index, ikv=self.index_state.kv, isc=self.index_state.score)
+        return st
+
+    def take_decode_state(self, st: dict[str, mx.array], key: "DecodeKey") -> None:
+        """Adopt the arrays of a finished one-token step; one more token, one more row if a window completed."""
+        self.raw, self.pos = st["raw"], self.pos + 1
+        if self.comp is not None:
+            self.comp, self.comp_state = st["comp"], CompressorState(st["ckv"], st["csc"])
+            self.n_comp += key.complete
+        if self.index is not None:
+            self.index, self.index_state = st["index"], CompressorState(st["ikv"], st["isc"])
+            self.n_index += key.complete
+
     def snapshot(self) -> "LayerCache":
         """An independent copy (cheap: MLX arrays are immutable and the cache only ever rebinds them)."""
         return replace(self)
@@ -84,17 +105,40 @@ def make_layer_cache(cfg: ModelConfig, il: int) -> LayerCache:
     return cache
 
 
-def _append_rows(buf: mx.array, n: int, rows: mx.array | None, dtype=mx.float32) -> tuple[mx.array, int]:
-    """Write ``rows`` after the first ``n`` rows of a capacity buffer (grown by doubling), stored as ``dtype``."""
-    if rows is None:
-        return buf, n
+@lru_cache(maxsize=1024)
+def _visible(n: int, capacity: int) -> mx.array:
+    """Boolean ``[1, capacity]``: the first ``n`` rows of a capacity buffer (made on the host, once)."""
+    return mx.array(np.arange(capacity)[None, :] < n)
+
+
+class DecodeKey(NamedTuple):
+    """The static choices of a one-token step; a compiled step is traced once per key (and buffer shapes)."""
+
+    complete: bool  # the token completes a compressor window: pool it and append a compressed row
+    has_comp: bool  # at least one compressed row is visible
+    select: bool  # the indexer picks top-k of the visible rows (more than top_k of them)
+    static: bool  # the raw window is full, so the step's shapes repeat from token to token
+
+
+def _reserve(buf: mx.array, n: int, need: int, dtype) -> mx.array:
+    """A capacity buffer whose first ``n`` rows are kept, stored as ``dtype``, with room for ``need`` rows.
+
+    Capacity doubles, so a decode step's buffer shapes (and its compiled trace) change only log-many times.
+    """
     if buf.dtype != dtype:
         buf = buf.astype(dtype)
-    k = rows.shape[0]
-    if buf.shape[0] < n + k:
-        cap = max(2 * buf.shape[0], n + k, 16)
+    if buf.shape[0] < need:
+        cap = max(2 * buf.shape[0], need, 16)
         buf = mx.concatenate([buf[:n], mx.zeros((cap - n, buf.shape[1]), buf.dtype)])
-    return mx.slice_update(buf, rows.astype(buf.dtype), mx.array([n]), axes=(0,)), n + k
+    return buf
+
+
+def _append_rows(buf: mx.array, n: int, rows: mx.array | None, dtype=mx.float32) -> tuple[mx.array, int]:
+    """Write ``rows`` after the first ``n`` rows of a capacity buffer, stored as ``dtype``."""
+    if rows is None:
+        return buf, n
+    buf = _reserve(buf, n, n + rows.shape[0], dtype)
+    return mx.slice_update(buf, rows.astype(buf.dtype), mx.array([n]), axes=(0,)), n + rows.shape[0]
 
 
 class Attention:
@@ -140,17 +184,14 @@ class Attention:
         if pos != cache.pos:
             raise ValueError(f"layer {self.il}: cache holds {cache.pos} tokens, got a chunk at position {pos}")
         T = x.shape[0]
-        H, D, W, r = self.n_head, self.head_dim, self.n_swa, self.ratio
-        positions = pos + np.arange(T)
-
-        n = mx.fast.rms_norm(x, self.attn_norm, self.eps)  # [T, E]
-        qr = mx.fast.rms_norm(self.attn_q_a.matmul(n), self.attn_q_a_norm, self.eps)  # [T, q_lora]
-        q = mx.fast.rms_norm(self.attn_q_b.matmul(qr).reshape(T, H, D), None, self.eps)  # [T, H, D]
-        kv = mx.fast.rms_norm(self.attn_kv.matmul(n), self.attn_kv_a_norm, self.eps)  # [T, D]
-
-        C, S = self.rope.tables(positions, D)  # [T, D] each
-        q = apply_rope(q, C[:, None, :], S[:, None, :])
-        kv = kv_row(apply_rope(kv, C, S), self.numerics, self.nope)
+        if T == 1:
+            key, io = self.decode_inputs(pos, cache)
+            y, st = self.decode(x, cache.decode_state(), io, key)
+            cache.take_decode_state(st, key)
+            return y
+        D, W, r = self.head_dim, self.n_swa, self.ratio
+        C, S = self.rope.tables(pos + np.arange(T), D)  # [T, D] each
+        n, qr, q, kv = self._project(x, C, S)
 
         # Raw window: the last W-1 carried rows + the chunk's rows; key j sits at position pos - keep + j.
         keep = min(cache.n_raw, W - 1)
@@ -176,6 +217,79 @@ class Attention:
         cache.raw = (raw_keys[-W:] if raw_keys.shape[0] > W else raw_keys).astype(self.kv_dtype)
         cache.pos = pos + T
         return y
+
+    def _project(self, x: mx.array, C: mx.array, S: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """``x [T, E]`` -> normed input ``n``, ``qr [T, q_lora]``, RoPE'd ``q [T, H, D]`` and the stored KV row."""
+        T, H, D = x.shape[0], self.n_head, self.head_dim
+        n = mx.fast.rms_norm(x, self.attn_norm, self.eps)  # [T, E]
+        qr = mx.fast.rms_norm(self.attn_q_a.matmul(n), self.attn_q_a_norm, self.eps)  # [T, q_lora]
+        q = mx.fast.rms_norm(self.attn_q_b.matmul(qr).reshape(T, H, D), None, self.eps)  # [T, H, D]
+        kv = mx.fast.rms_norm(self.attn_kv.matmul(n), self.attn_kv_a_norm, self.eps)  # [T, D]
+        q = apply_rope(q, C[:, None, :], S[:, None, :])
+        kv = kv_row(apply_rope(kv, C, S), self.numerics, self.nope)
+        return n, qr, q, kv
+
+    # --- one-token decode: a pure function of arrays, so a step can be compiled --------------------------
+
+    def decode_inputs(self, pos: int, cache: LayerCache) -> tuple[DecodeKey, dict]:
+        """Host side of the one-token step at ``pos``: its static key and per-step arrays (RoPE tables, row
+        indices, the visible-row count). Grows the compressed-row buffers when a row is due and they are full."""
+        if pos != cache.pos:
+            raise ValueError(f"layer {self.il}: cache holds {cache.pos} tokens, got a token at position {pos}")
+        r = self.ratio
+        C, S = self.rope.tables([pos], self.head_dim)
+        io: dict = {"C": C, "S": S}
+        complete = bool(r) and (pos + 1) % r == 0
+        n_vis = (pos + 1) // r if r else 0  # compressed rows visible to this token (after its own append)
+        select = self.indexer is not None and n_vis > self.indexer.top_k
+        if r:
+            io["comp"] = self.compressor.decode_inputs(pos)
+            io["slot"] = index_array(cache.n_comp)  # where a completed window's row goes
+            if complete:
+                cache.comp = _reserve(cache.comp, cache.n_comp, cache.n_comp + 1, self.kv_dtype)
+            io["visible"] = _visible(n_vis, cache.comp.shape[0])
+        if self.indexer is not None:
+            io["index"] = self.indexer.compressor.decode_inputs(pos)
+            if complete:
+                cache.index = _reserve(cache.index, cache.n_index, cache.n_index + 1, mx.float32)
+            if select:
+                io["Ci"], io["Si"] = self.rope.tables([pos], self.indexer.head_dim)
+                io["index_visible"] = _visible(n_vis, cache.index.shape[0])
+        return DecodeKey(complete, n_vis > 0, select, cache.n_raw >= self.n_swa - 1), io
+
+    def decode(self, x: mx.array, st: dict[str, mx.array], io: dict, key: DecodeKey) -> tuple[mx.array, dict]:
+        """One token ``x [1, E]`` over the cache arrays ``st`` (:meth:`LayerCache.decode_state`) -> ``(y [1, E],
+        new arrays)``. Same math as a chunk of one; compressed rows live in fixed-capacity buffers whose
+        first ``n_vis`` rows are visible, so shapes repeat from token to token."""
+        W, r = self.n_swa, self.ratio
+        n, qr, q, kv = self._project(x, io["C"], io["S"])
+        raw = st["raw"]
+        keep = min(raw.shape[0], W - 1)
+        keys = mx.concatenate([raw[raw.shape[0] - keep :], kv]) if keep else kv  # [keep+1 <= W, D]
+        st = dict(st, raw=keys.astype(self.kv_dtype))
+        if r:
+            row, st["ckv"], st["csc"] = self.compressor.decode(n, st["ckv"], st["csc"], io["comp"], key.complete)
+            if row is not None:
+                st["comp"] = mx.slice_update(st["comp"], row.astype(st["comp"].dtype), io["slot"], axes=(0,))
+        if self.indexer is not None:
+            row, st["ikv"], st["isc"] = self.indexer.compressor.decode(n, st["ikv"], st["isc"], io["index"], key.complete)
+            if row is not None:
+                st["index"] = mx.slice_update(st["index"], row, io["slot"], axes=(0,))
+
+        comp = gathered = mask = None
+        if key.has_comp and key.select:  # attend to the indexer's top-k rows only
+            k = self.indexer.top_k
+            scores = self.indexer.scores(qr, n, io["Ci"], io["Si"], st["index"])  # [1, capacity]
+            scores = mx.where(io["index_visible"], scores, -mx.inf)  # more than k visible: no -inf is selected
+            idx = selected_indices(select_top_k(scores, np.array([scores.shape[1]]), k), k)  # [1, k]
+            gathered = st["comp"][idx].astype(mx.float32)  # [1, k, D]
+        elif key.has_comp:
+            comp, mask = st["comp"].astype(mx.float32), io["visible"]  # [capacity, D], [1, capacity]
+        o = self._attend(q, keys, None, comp, gathered, mask)
+        o = apply_rope(o, io["C"][:, None, :], io["S"][:, None, :], inverse=True)
+        return self.attn_output_b.matmul(self._grouped_output_a(o)), st
+
+    # --- chunks -------------------------------------------------------------------------------------------
 
     def _query_block(self, T: int, keep: int, cache: LayerCache) -> int:
         """Queries per block: the [block, heads, keys] scores (and indexer dots) stay under ATTN_BLOCK_BYTES."""
@@ -209,7 +323,8 @@ class Attention:
             comp = cache.comp[:nmax]  # [Nc, D]
             k = self.indexer.top_k if self.indexer is not None else 0
             if self.indexer is not None and nmax > k:
-                scores = self.indexer.scores(qr, n, int(pq[0]), cache.index[:nmax])  # [Tb, Nc]
+                Ci, Si = self.rope.tables(pq, self.indexer.head_dim)
+                scores = self.indexer.scores(qr, n, Ci, Si, cache.index[:nmax])  # [Tb, Nc]
                 sel = select_top_k(scores, n_visible, k)  # [Tb, Nc]
                 if Tb == 1 or nmax >= GATHER_MIN_ROWS_PER_K * k:
                     # Attend to each query's k selected rows only (queries seeing < k rows get a mask).

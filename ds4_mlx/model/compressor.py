@@ -18,6 +18,7 @@ when it completes a window; both paths leave the same canonical frontier.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 import mlx.core as mx
@@ -26,6 +27,13 @@ import numpy as np
 from ..config import ModelConfig
 from ..kernels.fused import compressor_pool
 from .rope import Rope
+
+
+@lru_cache(maxsize=1 << 16)
+def index_array(i: int) -> mx.array:
+    """``int32 [1]`` holding ``i``: a position-dependent index passed into a (compiled) decode step."""
+    return mx.array([i], dtype=mx.int32)
+
 
 NEG = -1.0e30  # ds4's "minus infinity" for scores
 
@@ -75,6 +83,8 @@ class Compressor:
         self.norm = weights[f"{p}_norm.weight"]  # [hd]
         if tuple(self.ape.shape) != (ratio, self.width):
             raise ValueError(f"{p}_ape: shape {self.ape.shape}, expected {(ratio, self.width)}")
+        self._ape_row = [self.ape[i : i + 1] for i in range(ratio)]  # decode's per-position rows, ready-made
+        mx.eval(self._ape_row)
 
     def init_state(self) -> CompressorState:
         return CompressorState.init(self.ratio, self.hd)
@@ -87,13 +97,15 @@ class Compressor:
         """
         r, w = self.ratio, self.width
         T = n.shape[0]
+        if T == 1:
+            io = self.decode_inputs(pos)
+            row, kv, sc = self.decode(n, state.kv, state.score, io, complete=(pos + 1) % r == 0)
+            return row, CompressorState(kv, sc)
         kv_cur = self.wkv.matmul(n)  # [T, w]
         sc_cur = self.wgate.matmul(n) + self._ape_rows(pos, T)  # [T, w]
 
         cur0 = r if self.coff == 2 else 0  # first frontier row of the current window
         k = pos % r  # tokens of the current window already in the frontier
-        if T == 1:
-            return self._decode_step(kv_cur, sc_cur, pos, state, cur0 + k)
         seq_kv = mx.concatenate([state.kv[cur0 : cur0 + k], kv_cur]) if k else kv_cur  # [k+T, w]
         seq_sc = mx.concatenate([state.score[cur0 : cur0 + k], sc_cur]) if k else sc_cur
         nw = (pos + T) // r - pos // r  # windows completed inside this chunk
@@ -123,23 +135,37 @@ class Compressor:
             cur_sc = mx.concatenate([prev_sc, cur_sc])
         return rows, CompressorState(cur_kv, cur_sc)
 
-    def _decode_step(
-        self, kv_cur: mx.array, sc_cur: mx.array, pos: int, state: CompressorState, row: int
-    ) -> tuple[mx.array | None, CompressorState]:
-        """T = 1: write the token into its frontier row; pool when it completes a window (same math as above)."""
-        r = self.ratio
-        at = mx.array([row])
-        kv = mx.slice_update(state.kv, kv_cur, at, axes=(0,))  # [coff*r, w]
-        sc = mx.slice_update(state.score, sc_cur, at, axes=(0,))
-        if (pos + 1) % r:
-            return None, CompressorState(kv, sc)
-        rows = self._finish(kv[None], sc[None], [pos + 1 - r])  # the frontier is one window's entries
+    def decode_inputs(self, pos: int) -> dict[str, mx.array]:
+        """Host-side arrays of the decode step at ``pos`` (so :meth:`decode` never sees ``pos`` itself).
+
+        ``at``: the token's frontier row; ``ape``: its APE row ``[1, w]`` (``pos mod r``); ``C``/``S``: RoPE tables at
+        the window start, used when the token completes the window.
+        """
+        r, k = self.ratio, pos % self.ratio
+        C, S = self.rope.tables([pos + 1 - r] if pos + 1 >= r else [0], self.hd)
+        return {"at": index_array(k + (r if self.coff == 2 else 0)), "ape": self._ape_row[k], "C": C, "S": S}
+
+    def decode(
+        self, n: mx.array, kv: mx.array, score: mx.array, io: dict[str, mx.array], complete: bool
+    ) -> tuple[mx.array | None, mx.array, mx.array]:
+        """One token ``n [1, E]``: write it into its frontier row; pool when it ``complete``s a window.
+
+        A pure function of arrays (``io`` from :meth:`decode_inputs`), so a decode step can be compiled; same
+        math as the chunked path. Returns ``(row [1, hd] or None, new kv, new score)``.
+        """
+        r, w = self.ratio, self.width
+        kv = mx.slice_update(kv, self.wkv.matmul(n), io["at"], axes=(0,))  # [coff*r, w]
+        score = mx.slice_update(score, self.wgate.matmul(n) + io["ape"], io["at"], axes=(0,))
+        if not complete:
+            return None, kv, score
+        c = compressor_pool(kv[None], score[None], self.norm, io["C"], io["S"], self.eps, lanes=self.coff)
+        row = self.finish_row(c)  # the frontier is one window's entries
         if self.coff == 2:  # the finished window becomes "previous"; the new current one is empty
-            w = self.width
             kv = mx.concatenate([kv[r:], mx.zeros((r, w), mx.float32)])
-            sc = mx.concatenate([sc[r:], mx.full((r, w), NEG, mx.float32)])
-            return rows, CompressorState(kv, sc)
-        return rows, self.init_state()
+            score = mx.concatenate([score[r:], mx.full((r, w), NEG, mx.float32)])
+            return row, kv, score
+        state = self.init_state()
+        return row, state.kv, state.score
 
     def _finish(self, ent_kv: mx.array, ent_sc: mx.array, starts) -> mx.array:
         """Pool finished windows, norm, RoPE at the window starts, round -> ``[nw, hd]``.

@@ -37,11 +37,10 @@ class Indexer:
             cfg, il, weights, "indexer_compressor", self.head_dim, 4, rope, lambda c: indexer_row(c, numerics)
         )
 
-    def scores(self, qr: mx.array, n: mx.array, pos: int, keys: mx.array) -> mx.array:
-        """``score [T, N]`` of the indexer rows ``keys [N, 128]`` for queries at ``pos..pos+T-1``."""
+    def scores(self, qr: mx.array, n: mx.array, C: mx.array, S: mx.array, keys: mx.array) -> mx.array:
+        """``score [T, N]`` of the indexer rows ``keys [N, 128]``; ``C, S [T, 128]`` are the queries' RoPE tables."""
         T = qr.shape[0]
         iq = self.wq_b.matmul(qr).reshape(T, self.n_head, self.head_dim)  # [T, H_i, 128]
-        C, S = self.rope.tables(pos + np.arange(T), self.head_dim)
         iq = indexer_query(apply_rope(iq, C[:, None, :], S[:, None, :]), self.numerics)
         w = self.wproj.matmul(n) * self.scale  # [T, H_i]
         dots = mx.maximum(iq @ keys.T, 0.0)  # [T, H_i, N]

@@ -8,16 +8,21 @@ lives in :class:`~ds4_mlx.model.attention.LayerCache` objects owned by the calle
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
 from ..config import ModelConfig
 from ..numerics import Numerics, get_numerics
 from ..kernels.fused import hc_post, hc_pre  # fused Metal/CUDA kernels; fall back to .hyper on CPU
-from .attention import Attention, LayerCache, make_layer_cache
+from .attention import Attention, DecodeKey, LayerCache, make_layer_cache
 from .hyper import hc_head
 from .moe import MoE
+
+# DS4_MLX_COMPILE=0 runs decode steps op by op (debugging, A/B timing); the default compiles them.
+COMPILE_DECODE = os.environ.get("DS4_MLX_COMPILE", "1").strip() != "0"
 
 
 class Block:
@@ -31,12 +36,42 @@ class Block:
         self.attn = Attention(cfg, il, weights, numerics)
         self.ffn = MoE(cfg, il, weights, numerics)
 
+        self.compile_decode = True  # Model.set_compile_decode
+        self._steps: dict[DecodeKey, Callable] = {}
+
     def __call__(self, S: mx.array, tokens: mx.array, pos: int, cache: LayerCache) -> mx.array:
         """State ``S [T, n_hc, E]`` of tokens at ``pos..pos+T-1`` -> the layer's output state (same shape)."""
+        if S.shape[0] == 1:
+            return self.decode(S, tokens, pos, cache)
         x, post, comb = hc_pre(S, *self.hc_attn, self.cfg)  # x [T, E]
         S = hc_post(S, self.attn(x, pos, cache), post, comb)
         x, post, comb = hc_pre(S, *self.hc_ffn, self.cfg)
         return hc_post(S, self.ffn(x, tokens), post, comb)
+
+    def decode(self, S: mx.array, tokens: mx.array, pos: int, cache: LayerCache) -> mx.array:
+        """One token: the layer as one (compiled) function of the state and the cache arrays."""
+        key, io = self.attn.decode_inputs(pos, cache)
+        S, st = self._step_fn(key)(S, tokens, cache.decode_state(), io)
+        cache.take_decode_state(st, key)
+        return S
+
+    def _step(self, key: DecodeKey, S: mx.array, tokens: mx.array, st: dict, io: dict) -> tuple[mx.array, dict]:
+        x, post, comb = hc_pre(S, *self.hc_attn, self.cfg)
+        y, st = self.attn.decode(x, st, io, key)
+        S = hc_post(S, y, post, comb)
+        x, post, comb = hc_pre(S, *self.hc_ffn, self.cfg)
+        return hc_post(S, self.ffn(x, tokens), post, comb), st
+
+    def _step_fn(self, key: DecodeKey) -> Callable:
+        """The step for ``key``, compiled once the raw window is full (before that its shapes change every
+        token). Compiling removes the Python graph building from every step and fuses the elementwise chains:
+        decode is host-bound (benchmarks/RESULTS.md)."""
+        if not (key.static and self.compile_decode):
+            return partial(self._step, key)
+        fn = self._steps.get(key)
+        if fn is None:
+            fn = self._steps[key] = mx.compile(partial(self._step, key))
+        return fn
 
 
 class Model:
@@ -59,6 +94,14 @@ class Model:
         # Evaluate the state after every layer when a call has at least this many tokens: bounds the
         # memory of long prefill chunks; single-token decode stays one lazy graph.
         self.eval_layers_from = 64
+        self.set_compile_decode(COMPILE_DECODE)
+
+    def set_compile_decode(self, on: bool) -> None:
+        """Run one-token steps as compiled functions (the default) or op by op (``DS4_MLX_COMPILE=0``)."""
+        for layer in self.layers:
+            layer.compile_decode = on
+            layer._steps.clear()
+        self._decode_head = mx.compile(self.head) if on else self.head
 
     def make_cache(self) -> list[LayerCache]:
         """Fresh per-layer KV state (raw window, compressed rows, compressor/indexer frontiers)."""
@@ -96,4 +139,4 @@ class Model:
                 mx.eval(S)
         if all_logits:
             return self.head(S)
-        return self.head(S[-1:])[0]
+        return (self._decode_head(S) if S.shape[0] == 1 else self.head(S[-1:]))[0]
