@@ -50,21 +50,19 @@ def narrow_config(layers: int):
 
 
 class FakeKernels:
-    """Swap every custom-kernel launch for constant outputs; counts the launches, keeps their inputs."""
+    """Swap every custom-kernel launch for one ``Depends`` node: outputs of the right shape (zeros) that
+    depend on the launch's inputs, so the graph (compiled or not) keeps everything upstream of a kernel."""
 
     def __init__(self):
         from ds4_mlx.weights import _kernels
 
         self.K = _kernels()
         self.F = self.K.fused
-        self.calls = 0
-        self.inputs: list[mx.array] = []
 
-    def _fake(self, kind, backend):
+    @staticmethod
+    def _fake(kind, backend):
         def launch(*, inputs, output_shapes, output_dtypes, **_):
-            self.calls += 1
-            self.inputs.extend(inputs)
-            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+            return mx.depends([mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)], list(inputs))
 
         return launch
 
@@ -78,9 +76,9 @@ class FakeKernels:
         W.kernel_backend, self.F.backend, self.F.get_fused_kernel, self.K.get_kernel = self.saved
 
 
-def op_counts(outputs: list[mx.array], extra: list[mx.array]) -> collections.Counter:
+def op_counts(outputs: list[mx.array]) -> collections.Counter:
     f = io.StringIO()
-    mx.export_to_dot(f, *outputs, *extra)
+    mx.export_to_dot(f, *outputs)
     return collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', f.getvalue()))
 
 
@@ -90,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ctx", type=int, default=600, help="tokens prefilled before the measured step")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also print the top Python hot spots")
+    ap.add_argument("--no-compile", action="store_true", help="build the step op by op (DS4_MLX_COMPILE=0)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -99,12 +98,14 @@ def main(argv: list[str] | None = None) -> dict:
     sess.prefill([0] + np.random.default_rng(0).integers(2, cfg.n_vocab, args.ctx - 1).tolist())
     tok = mx.array([int(mx.argmax(sess.logits).item())], dtype=mx.int32)
 
-    with FakeKernels() as fk:
+    model.set_compile_decode(not args.no_compile)
+    with FakeKernels():
         def build():
-            fk.calls, fk.inputs = 0, []
-            return model(tok, sess.pos, [c.snapshot() for c in sess.caches])
+            caches = [c.snapshot() for c in sess.caches]
+            logits = model(tok, sess.pos, caches)
+            return [logits] + [a for c in caches for a in c.decode_state().values()]
 
-        build()  # warm caches (rope tables, params, compiled functions)
+        build()  # warm caches (rope tables, params) and trace the compiled steps
         ts = []
         for _ in range(args.reps):
             t0 = time.perf_counter()
@@ -114,10 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
         rms_norm = mx.fast.rms_norm
         mx.fast.rms_norm = lambda x, w, eps: mx.erf(x)
         try:
-            counts = op_counts([build()], fk.inputs)
+            if not args.no_compile:  # trace again with the stand-in (a compiled step replays its first trace)
+                for layer in model.layers:
+                    layer._steps.clear()
+            counts = op_counts(build())
         finally:
             mx.fast.rms_norm = rms_norm
-        calls = fk.calls
+        calls = counts.pop("Depends", 0)
         if args.profile:
             pr = cProfile.Profile()
             pr.enable()
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     views = sum(v for k, v in counts.items() if k in VIEW_OPS)
     compute = sum(counts.values()) - views
     res = {
-        "layers": args.layers, "ctx": sess.pos, "build_ms": float(np.median(ts)) * 1e3,
+        "layers": args.layers, "ctx": sess.pos, "compiled": not args.no_compile, "build_ms": float(np.median(ts)) * 1e3,
         "kernel_launches": calls, "compute_ops": compute, "view_ops": views,
         "launches_per_layer": (calls + compute) / args.layers,  # what the GPU runs (views are free)
         "top_compute_ops": dict(collections.Counter({k: v for k, v in counts.items() if k not in VIEW_OPS}).most_common(12)),

@@ -97,6 +97,23 @@ def component_times(model: Model, sess: Session, reps: int) -> dict[str, float]:
             [("attention", attention), ("moe", moe), ("hc", hc), ("output head", head)]}
 
 
+def decode_seconds(sess: Session, n: int, pipelined: bool) -> float:
+    """Mean seconds per token of ``n`` greedy decode steps.
+
+    Pipelined (mlx-lm style): the next step's graph is built while the device runs this one and the token
+    ids are read back one step late, as a streaming generator would. Otherwise each step waits for its token.
+    """
+    lazy = mx.argmax(sess.logits)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        nxt = mx.argmax(sess.step(lazy if pipelined else int(lazy.item())))
+        if pipelined:
+            lazy.item()
+        lazy = nxt
+    lazy.item()
+    return (time.perf_counter() - t0) / n
+
+
 # floor components (layout.decode_bytes_per_token labels) grouped like the timed components
 FLOOR_GROUPS = {
     "attention": ("attention projections", "attention compressors", "indexer q_b + proj", "indexer compressors",
@@ -147,25 +164,17 @@ def main(argv: list[str] | None = None) -> dict:
     sess.prefill(prompt)
     t_prefill = time.perf_counter() - t0
 
-    tok = int(mx.argmax(sess.logits).item())
-    for _ in range(2):  # warm-up (compile caches, kernel JIT)
-        tok = int(mx.argmax(sess.step(tok)).item())
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        tok = int(mx.argmax(sess.step(tok)).item())
-    t_decode_sync = (time.perf_counter() - t0) / n_decode
-
-    # pipelined decode (mlx-lm style): the next step's graph is built while the device runs this one;
-    # the token ids are read back one step late, as a streaming generator would
-    lazy = mx.argmax(sess.logits)
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        nxt = mx.argmax(sess.step(lazy))
-        lazy.item()
-        lazy = nxt
-    lazy.item()
-    t_decode = (time.perf_counter() - t0) / n_decode
-    tok = int(lazy.item())
+    # Warm-up: kernel JIT and the compiled steps' traces; a window completes every 4 tokens, so 8 tokens
+    # trace every step variant of this context.
+    decode_seconds(sess, 8, pipelined=False)
+    t_decode_sync = decode_seconds(sess, n_decode, pipelined=False)
+    t_decode = decode_seconds(sess, n_decode, pipelined=True)
+    # Side by side in the same run: the same pipelined decode with the steps built op by op (not compiled).
+    model.set_compile_decode(False)
+    decode_seconds(sess, 2, pipelined=True)
+    t_decode_ops = decode_seconds(sess, n_decode, pipelined=True)
+    model.set_compile_decode(True)
+    tok = int(sess.tokens[-1])
     ctx = sess.pos
     assert bool(mx.all(mx.isfinite(sess.logits)).item()), "non-finite logits"
 
@@ -187,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
     res = {
         "shape": args.shape, "experts": args.experts, "device": str(mx.default_device()),
         "kernels": kernel_backend(), "prefill_tokens": n_prefill, "chunk": args.chunk,
-        "prefill_tok_s": n_prefill / t_prefill, "decode_ms": t_decode * 1e3, "decode_sync_ms": t_decode_sync * 1e3, "decode_ctx": ctx,
+        "prefill_tok_s": n_prefill / t_prefill, "decode_ms": t_decode * 1e3, "decode_sync_ms": t_decode_sync * 1e3,
+        "decode_uncompiled_ms": t_decode_ops * 1e3, "decode_ctx": ctx,
         "decode_graph_build_ms": t_build * 1e3,
         "copy_bw_GBs": bw / 1e9, "bytes_per_token": total_bytes, "floor_ms": floor * 1e3,
         "floor_ratio": floor / t_decode, "components_ms": {k: v * 1e3 for k, v in comps.items()},
@@ -197,7 +207,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"prefill: {n_prefill} tokens (chunk {args.chunk}) in {t_prefill:.2f} s = {res['prefill_tok_s']:.1f} tok/s")
     print(f"decode:  {res['decode_ms']:.2f} ms/token at ctx {ctx} ({1e3 / res['decode_ms']:.1f} tok/s), pipelined;"
           f" {res['decode_sync_ms']:.2f} ms synchronous (one step at a time)")
-    print(f"         building one step's graph in Python takes {res['decode_graph_build_ms']:.2f} ms")
+    print(f"         op by op (DS4_MLX_COMPILE=0): {res['decode_uncompiled_ms']:.2f} ms/token, "
+          f"compiled steps {res['decode_uncompiled_ms'] / res['decode_ms']:.2f}x faster")
+    print(f"         building one step's graph (compiled steps: replaying their traces) takes "
+          f"{res['decode_graph_build_ms']:.2f} ms")
     print(f"floor:   {total_bytes / 1e9:.3f} GB/token / {bw / 1e9:.0f} GB/s copy bandwidth = {res['floor_ms']:.2f} ms"
           f"  -> decode at {100 * res['floor_ratio']:.1f}% of the floor")
     print(f"{'component':<14}{'measured ms':>12}{'floor ms':>10}{'% floor':>9}")

@@ -57,8 +57,9 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
     out = tmp_path / "res.json"
     res = bench.main(["--shape", "tiny", "--prefill", "23", "--chunk", "10", "--decode", "2", "--reps", "1",
                       "--json", str(out)])
-    assert json.loads(out.read_text())["decode_ctx"] == 23 + 2 + 2 + 2  # prompt + warm-up + sync + pipelined
-    assert res["decode_ms"] > 0 and res["prefill_tok_s"] > 0 and 0 < res["floor_ratio"]
+    # prompt + warm-up + sync + pipelined + (warm-up + pipelined) op by op
+    assert json.loads(out.read_text())["decode_ctx"] == 23 + 8 + 2 + 2 + 2 + 2
+    assert res["decode_ms"] > 0 and res["decode_uncompiled_ms"] > 0 and res["prefill_tok_s"] > 0 and 0 < res["floor_ratio"]
     assert set(res["components_ms"]) == {"attention", "moe", "hc", "output head"}
     assert all(v > 0 for v in res["components_ms"].values())
 
@@ -67,8 +68,8 @@ def test_decode_step_launch_budget():
     """The decode step's launch count on the GPU code path (benchmarks/graph_cost.py, kernels stood in for).
 
     On the H200 decode is host-bound: each launch costs ~7 µs of host time (benchmarks/RESULTS.md), so the
-    count is the speed. 6 layers of the real pattern took 78 launches per layer when this was written; raise
-    the budget only for a change that needs the ops.
+    count is the speed. 6 layers of the real pattern took 78-79 launches per layer (compiled step) when this
+    was written; raise the budget only for a change that needs the ops.
     """
     import importlib.util
     from pathlib import Path
@@ -78,5 +79,5 @@ def test_decode_step_launch_budget():
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
-    assert res["kernel_launches"] >= 6 * 18  # the custom kernels really were on the path (>= 18 a layer)
-    assert res["launches_per_layer"] <= 82, res
+    assert res["compiled"] and res["kernel_launches"] >= 6 * 18  # the custom kernels were on the path
+    assert res["launches_per_layer"] <= 80, res
