@@ -24,6 +24,16 @@
 #define DS_FLOAT4(a, b, c, d) float4((a), (b), (c), (d))
 #define DS_POPC(x) popcount(x)
 #define DS_ATOMIC_ADD(p, v) atomic_fetch_add_explicit((p), (v), memory_order_relaxed)
+// Device → threadgroup copy of 8 bytes (both 8-byte aligned). Synchronous on Metal; CUDA issues cp.async, so
+// DS_ASYNC_COMMIT groups copies and DS_ASYNC_WAIT_ALL / DS_ASYNC_WAIT_PREV (all but the newest group) wait.
+// DS_ASYNC_COPIES says which: bodies double-buffer only where copies overlap compute (and Metal's 32 KB of
+// threadgroup memory is not spent on a second buffer that buys nothing).
+#define DS_ASYNC_COPIES 0
+#define DS_BYTE_BITS(w, i) (0x4B000000u | (((w) >> (8 * (i))) & 255u))
+#define DS_ASYNC_COPY8(dst, src) (*((threadgroup uint2*)(dst)) = *((const device uint2*)(src)))
+#define DS_ASYNC_COMMIT()
+#define DS_ASYNC_WAIT_ALL()
+#define DS_ASYNC_WAIT_PREV()
 // Round an f32 to bf16 (RNE) and back: the prefill tile precision (QUANTS.md §8 ruling 2).
 #define DS_BF16_ROUND(x) float(bfloat16_t(x))
 // Prefill tiles: f32 storage of bf16-rounded values (simdgroup_float8x8 MMA; same numerics as bf16 tiles).
@@ -54,6 +64,13 @@ DS_FN void ds_store_tile4(threadgroup ds_tile_t* dst, float a, float b, float c,
 #define DS_FLOAT4(a, b, c, d) make_float4((a), (b), (c), (d))
 #define DS_POPC(x) __popc(x)
 #define DS_ATOMIC_ADD(p, v) atomicAdd((p), (v))
+#define DS_ASYNC_COPIES 1
+#define DS_BYTE_BITS(w, i) __byte_perm((w), 0x4B000000u, 0x7650u | (i))  // one PRMT
+#define DS_ASYNC_COPY8(dst, src) \
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src))
+#define DS_ASYNC_COMMIT() asm volatile("cp.async.commit_group;\n" ::)
+#define DS_ASYNC_WAIT_ALL() asm volatile("cp.async.wait_group 0;\n" ::)
+#define DS_ASYNC_WAIT_PREV() asm volatile("cp.async.wait_group 1;\n" ::)
 #define DS_BF16_ROUND(x) __bfloat162float(__float2bfloat16_rn(x))
 // Prefill tiles: bf16 in shared memory for wmma (f32 accumulation).
 typedef __nv_bfloat16 ds_tile_t;
@@ -104,9 +121,31 @@ DS_FN uint32_t ds_span_bytes(int qt, uint32_t units) {
        : qt == DS_IQ2_XXS ? 66u * (units >> 3) : qt == DS_F32 ? 128u * units : 64u * units;
 }
 
+// Stage `nrows` rows × `nbytes` bytes of a span (row r at w + off + r·rb) into dst + r·pitch, lane-strided:
+// 8-byte async copies where the row's bytes are 8-byte aligned, 2-byte stores otherwise (blocks are 2-byte
+// aligned). The caller commits, waits and synchronizes the simdgroup before reading dst.
+DS_FN void ds_stage_span(DS_TG uint8_t* dst, uint32_t pitch, const DS_DEV uint8_t* w, uint64_t off, uint32_t rb,
+                         uint32_t nrows, uint32_t nbytes, uint32_t lane) {
+  for (uint32_t r = 0; r < nrows; ++r) {
+    const uint64_t o = off + (uint64_t)r * rb;
+    const DS_DEV uint8_t* src = w + o;
+    DS_TG uint8_t* d = dst + r * pitch;
+    uint32_t done = 0;
+    if ((o & 7) == 0) {
+      const uint32_t nw = nbytes >> 3;
+      for (uint32_t i = lane; i < nw; i += 32) DS_ASYNC_COPY8(d + 8 * i, src + 8 * i);
+      done = nw << 3;
+    }
+    for (uint32_t i = (done >> 1) + lane; i < (nbytes >> 1); i += 32)
+      ((DS_TG uint16_t*)d)[i] = ((const DS_DEV uint16_t*)src)[i];
+  }
+}
+
 // Small integers to f32 without an int→float conversion instruction (quarter rate on NVIDIA): 2^23 + v has
 // v in its low mantissa bits, so one OR and one subtraction give v exactly (v < 2^23).
 DS_FN float ds_u2f(uint32_t v) { return DS_U32_AS_F(0x4B000000u | v) - 8388608.0f; }
+// Byte i (0..3) of w as f32, by the same trick (DS_BYTE_BITS puts the byte under the 2^23 exponent).
+DS_FN float ds_byte_f(uint32_t w, uint32_t i) { return DS_U32_AS_F(DS_BYTE_BITS(w, i)) - 8388608.0f; }
 // A raw int8 byte b (0..255) as its signed value: 2^23 + (b XOR 0x80) − (2^23 + 128).
 DS_FN float ds_s8f(uint32_t b) { return DS_U32_AS_F(0x4B000000u | (b ^ 0x80u)) - 8388736.0f; }
 
@@ -191,7 +230,7 @@ DS_FN float ds_dot32(int qt, const DS_TG uint8_t* row, uint32_t u, const DS_THR 
       const uint32_t lo = grid[2 * gi], hi = grid[2 * gi + 1];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float v = ds_u2f(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 255u);
+        const float v = ds_byte_f(j < 4 ? lo : hi, j & 3);
         s = DS_FMA(DS_U32_AS_F(DS_F_AS_U32(v) ^ (((sg >> j) & 1u) << 31)), x[8 * k + j], s);  // sign by bit flip
       }
     }
