@@ -114,6 +114,36 @@ def decode_seconds(sess: Session, n: int, pipelined: bool) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def host_split(sess: Session, n: int) -> dict[str, float]:
+    """Pipelined decode's mean ms per token split on the host: ``build`` (Python and the compiled steps' trace
+    replay), ``encode`` (inside ``mx.async_eval``, where MLX turns every op into launches) and ``wait`` (for
+    the previous token). A wait near zero means the device idles on the host, not the other way round."""
+    spent = {"build": 0.0, "encode": 0.0, "wait": 0.0}
+    async_eval = mx.async_eval
+
+    def timed(*args):
+        t = time.perf_counter()
+        async_eval(*args)
+        spent["encode"] += time.perf_counter() - t
+
+    mx.async_eval = timed  # Session.step looks it up at call time
+    try:
+        lazy = mx.argmax(sess.logits)
+        for _ in range(n):
+            t = time.perf_counter()
+            nxt = mx.argmax(sess.step(lazy))
+            spent["build"] += time.perf_counter() - t
+            t = time.perf_counter()
+            lazy.item()
+            spent["wait"] += time.perf_counter() - t
+            lazy = nxt
+        lazy.item()
+    finally:
+        mx.async_eval = async_eval
+    spent["build"] -= spent["encode"]
+    return {k: v / n * 1e3 for k, v in spent.items()}
+
+
 # floor components (layout.decode_bytes_per_token labels) grouped like the timed components
 FLOOR_GROUPS = {
     "attention": ("attention projections", "attention compressors", "indexer q_b + proj", "indexer compressors",
@@ -169,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     decode_seconds(sess, 8, pipelined=False)
     t_decode_sync = decode_seconds(sess, n_decode, pipelined=False)
     t_decode = decode_seconds(sess, n_decode, pipelined=True)
+    split = host_split(sess, n_decode)
     # Side by side in the same run: the same pipelined decode with the steps built op by op (not compiled).
     model.set_compile_decode(False)
     decode_seconds(sess, 2, pipelined=True)
@@ -198,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kernels": kernel_backend(), "prefill_tokens": n_prefill, "chunk": args.chunk,
         "prefill_tok_s": n_prefill / t_prefill, "decode_ms": t_decode * 1e3, "decode_sync_ms": t_decode_sync * 1e3,
         "decode_uncompiled_ms": t_decode_ops * 1e3, "decode_ctx": ctx,
-        "decode_graph_build_ms": t_build * 1e3,
+        "decode_graph_build_ms": t_build * 1e3, "decode_host_split_ms": split,
         "copy_bw_GBs": bw / 1e9, "bytes_per_token": total_bytes, "floor_ms": floor * 1e3,
         "floor_ratio": floor / t_decode, "components_ms": {k: v * 1e3 for k, v in comps.items()},
         "components_floor_ms": {k: sum(floor_bytes.get(c, 0) for c in cs) / bw * 1e3 for k, cs in FLOOR_GROUPS.items()},
@@ -211,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"compiled steps {res['decode_uncompiled_ms'] / res['decode_ms']:.2f}x faster")
     print(f"         building one step's graph (compiled steps: replaying their traces) takes "
           f"{res['decode_graph_build_ms']:.2f} ms")
+    print("         pipelined step on the host: " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items()))
     print(f"floor:   {total_bytes / 1e9:.3f} GB/token / {bw / 1e9:.0f} GB/s copy bandwidth = {res['floor_ms']:.2f} ms"
           f"  -> decode at {100 * res['floor_ratio']:.1f}% of the floor")
     print(f"{'component':<14}{'measured ms':>12}{'floor ms':>10}{'% floor':>9}")

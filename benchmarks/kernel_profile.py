@@ -1,0 +1,144 @@
+"""GPU time of every kernel of one decode step, under NVIDIA Nsight Compute (CUDA only).
+
+    ncu --graph-profiling node --metrics gpu__time_duration.sum --csv \
+        python benchmarks/kernel_profile.py [--layers 4] [--ctx 2100] > ncu.csv
+    python benchmarks/kernel_profile.py --summarize ncu.csv
+
+The run builds ``--layers`` full-width layers (random q2 weights), prefills ``--ctx`` tokens in one chunk,
+decodes a few warm-up tokens, then one measured token between two launches of a marker kernel
+(``ds4_marker``). ``--summarize`` keeps the kernels between the markers and sums their GPU time by kernel
+name: what the device itself spends on a decode step, without the host's launch cost.
+
+``--mv`` instead launches the decode matvec once per projection shape (benchmarks/decode_profile.py's list
+without the LM head), each after a marker; ``--compare-mv NEW.csv OLD.csv`` prints each shape's GPU time
+in two such logs (two kernel versions profiled in one device run) and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MARKER = "ds4_marker"
+
+
+def marker() -> None:
+    k = mx.fast.cuda_kernel(name=MARKER, input_names=["x"], output_names=["out"],
+                            source="if (threadIdx.x == 0) out[0] = x[0];")
+    mx.eval(k(inputs=[mx.ones((1,))], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+              output_dtypes=[mx.float32])[0])
+
+
+def run(layers: int, ctx: int) -> None:
+    from ds4_mlx.model.model import Model
+    from ds4_mlx.random_model import random_weights, shape_config
+    from ds4_mlx.session import Session
+
+    cfg = shape_config("full", layers)
+    model = Model(cfg, random_weights(cfg, "q2"))
+    sess = Session(model, chunk_size=ctx)
+    sess.prefill([0] + np.random.default_rng(0).integers(2, cfg.n_vocab, ctx - 1).tolist())
+    tok = int(mx.argmax(sess.logits).item())
+    for _ in range(4):
+        tok = int(mx.argmax(sess.step(tok)).item())
+    marker()
+    mx.eval(sess.step(tok))
+    marker()
+
+
+def mv_shapes() -> list:
+    from benchmarks.decode_profile import DECODE_SHAPES
+
+    return [s for s in DECODE_SHAPES if s[0] != "lm head"]  # 563 MB; the other Q8_0 shapes run the same kernel
+
+
+def run_mv() -> None:
+    """One launch of every decode matvec shape (benchmarks/decode_profile.py's list), for ncu's full sections."""
+    from gguf import GGMLQuantizationType as QT
+
+    from ds4_mlx.random_model import random_block_bytes
+    from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend
+
+    K, backend = _kernels(), kernel_backend()
+    for label, qname, shape, pairs in mv_shapes():
+        qt = QT[qname]
+        data = (mx.random.normal(shape) * 0.02).astype(mx.float16) if qt == QT.F16 else random_block_bytes(qt, shape, 0.02)
+        w = QuantWeight(data, qt, shape)
+        x = mx.random.normal((pairs if pairs == 8 else 1, shape[-1]))
+        ids = mx.array(np.arange(8) if pairs == 8 else [3, 17, 40, 99, 180, 250][:pairs], dtype=mx.int32) if pairs else None
+        mx.eval(w.data, x)
+        call = lambda: K.mv(w, x, backend, ids=ids, k_slots=pairs) if pairs else K.mv(w, x, backend)  # noqa: E731
+        mx.eval(call())
+        marker()
+        mx.eval(call())
+        print(label, qname, shape, flush=True)
+
+
+def kernel_times(path: Path) -> list[tuple[str, float]]:
+    """(kernel name, µs) of every launch in an ``ncu --csv`` log, in launch order."""
+    rows = list(csv.reader(line for line in path.read_text().splitlines() if line.startswith('"')))
+    if not rows:
+        raise SystemExit(f"{path}: no ncu CSV rows")
+    head = rows[0]
+    name_i, val_i, unit_i = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    return [(r[name_i], float(r[val_i].replace(",", "")) * scale[r[unit_i]]) for r in rows[1:] if len(r) > val_i]
+
+
+def summarize(path: Path) -> None:
+    times = kernel_times(path)
+    marks = [i for i, (n, _) in enumerate(times) if MARKER in n]
+    if len(marks) < 2:
+        raise SystemExit(f"{path}: fewer than two {MARKER} kernels; was it written by ncu --csv around run()?")
+    step = times[marks[-2] + 1 : marks[-1]]
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for n, us in step:
+        key = n.split("(")[0][:70]
+        by[key][0] += 1
+        by[key][1] += us
+    total = sum(us for _, us in step)
+    print(f"{len(step)} kernels, {total:.0f} us of GPU time in one decode step")
+    print(f"{'kernel':<72}{'count':>6}{'us':>10}{'%':>7}")
+    for k, (c, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
+        print(f"{k:<72}{c:>6}{us:>10.1f}{100 * us / total:>6.1f}%")
+
+
+def after_markers(path: Path) -> list[float]:
+    """µs of the launch right after each marker (the measured one of ``--mv``)."""
+    times = kernel_times(path)
+    return [times[i + 1][1] for i, (n, _) in enumerate(times[:-1]) if MARKER in n]
+
+
+def compare_mv(new: Path, old: Path) -> None:
+    a, b = after_markers(new), after_markers(old)
+    shapes = mv_shapes()
+    if not (len(a) == len(b) == len(shapes)):
+        raise SystemExit(f"expected {len(shapes)} measured launches per log, got {len(a)} and {len(b)}")
+    print(f"{'projection':<18}{'type':<9}{'shape':<22}{'old us':>8}{'new us':>8}{'old/new':>9}")
+    for (label, qname, shape, _), ta, tb in zip(shapes, a, b):
+        print(f"{label:<18}{qname:<9}{str(shape):<22}{tb:>8.1f}{ta:>8.1f}{tb / ta:>9.2f}")
+    print(f"{'sum':<49}{sum(b):>8.1f}{sum(a):>8.1f}{sum(b) / sum(a):>9.2f}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=2100)
+    ap.add_argument("--mv", action="store_true", help="instead: one launch of each decode matvec shape")
+    ap.add_argument("--summarize", type=Path, default=None, help="an ncu --csv log of a decode step to summarize")
+    ap.add_argument("--compare-mv", type=Path, nargs=2, metavar=("NEW", "OLD"), help="two ncu --csv logs of --mv")
+    a = ap.parse_args()
+    if a.summarize:
+        summarize(a.summarize)
+    elif a.compare_mv:
+        compare_mv(*a.compare_mv)
+    else:
+        run_mv() if a.mv else run(a.layers, a.ctx)
