@@ -83,3 +83,37 @@ def test_decode_step_launch_budget():
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
     assert res["compiled"] and res["kernel_launches"] >= 6 * 18  # the custom kernels were on the path
     assert res["launches_per_layer"] <= 80, res
+
+
+def test_kernel_profile_reads_ncu_csv(tmp_path, capsys):
+    """benchmarks/kernel_profile.py's readers (its ncu runs need a GPU): units, markers, per-shape A/B."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_profile.py"
+    spec = importlib.util.spec_from_file_location("kernel_profile", path)
+    kp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kp)
+
+    def write(name, rows):
+        head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+        lines = ["==PROF== noise", head] + [f'"{i}","{k}","gpu__time_duration.sum","{u}","{v}"'
+                                             for i, (k, u, v) in enumerate(rows)]
+        (tmp_path / name).write_text("\n".join(lines))
+        return tmp_path / name
+
+    step = write("step.csv", [("warm", "ns", "9,000"), ("ds4_marker", "ns", "1"), ("mv_a(x)", "ns", "2,000"),
+                              ("mv_a(y)", "us", "3"), ("gemm", "ms", "0.5"), ("ds4_marker", "ns", "1")])
+    assert kp.kernel_times(step)[0] == ("warm", 9.0)
+    kp.summarize(step)
+    out = capsys.readouterr().out
+    assert "3 kernels, 505 us" in out and "mv_a" in out  # the kernels between the last two markers
+
+    n = len(kp.mv_shapes())
+    new = write("new.csv", [r for i in range(n) for r in (("ds4_marker", "ns", "1"), (f"mv{i}", "us", "10"))])
+    old = write("old.csv", [r for i in range(n) for r in (("ds4_marker", "ns", "1"), (f"mv{i}", "us", "15"))])
+    kp.compare_mv(new, old)
+    out = capsys.readouterr().out
+    assert out.count("1.50") == n + 1  # every shape and the sum: 15 us old / 10 us new
+    with pytest.raises(SystemExit):
+        kp.compare_mv(new, step)
