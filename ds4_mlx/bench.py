@@ -265,23 +265,27 @@ def run_bench(
     if eos_id is not None and 0 <= eos_id < model.cfg.n_vocab:
         eos_mask = mx.where(mx.arange(model.cfg.n_vocab) == eos_id, -mx.inf, 0.0)
 
+    # KV buffers sized for the whole walk up front (as ds4-bench allocates its context): they never grow, so
+    # no generation probe pays a retrace of the compiled decode steps (with doubling buffers, the probes at
+    # 2K, 4K, 8K and 16K on the H200 did, at 5.6-7.3 against 12-15 tok/s between them).
+    reserve = ctx_points[-1] + gen_tokens
     warmup_s = 0.0
     if warmup:
         # The first calls JIT-compile every kernel (NVRTC on CUDA, Metal library builds): not a speed. Go past
         # 4 x indexer_top_k tokens so the indexer's selection path (prefill and decode) is compiled too: without
         # it the H200 run's first gen row (2048) and second prefill row (4096) paid the compile (2.3 / 259 t/s).
         t0 = time.perf_counter()
-        ws = Session(model, chunk_size=chunk)
+        ws = Session(model, chunk_size=chunk, reserve=reserve)
         ws.prefill(tokens[: min(ctx_points[-1], 4 * model.cfg.indexer_top_k + chunk)])
         tok = _greedy_no_eos(ws.logits, eos_mask)
-        for _ in range(2):
+        for _ in range(4):  # a ratio-4 window completes: both kinds of compiled decode step are traced
             tok = _greedy_no_eos(ws.step(tok), eos_mask)
         mx.eval(tok)
         del ws
         mx.clear_cache()
         warmup_s = time.perf_counter() - t0
 
-    sess = Session(model, chunk_size=chunk)
+    sess = Session(model, chunk_size=chunk, reserve=reserve)
     rows: list[BenchRow] = []
     for f in ctx_points:
         mx.reset_peak_memory()

@@ -121,8 +121,9 @@ def stream_generate(
     ids = prompt_tokens(tokenizer, prompt, system=system, think=think)
     if len(ids) >= ctx:
         raise ValueError(f"prompt is {len(ids)} tokens; the context of {ctx} needs at least one free slot")
-    session = session or Session(model, chunk_size=prefill_chunk)
     max_tokens = max(0, min(max_tokens, ctx - len(ids) - 1))
+    # a fresh session is sized for this whole generation: its decode steps keep their shapes (no retrace)
+    session = session or Session(model, chunk_size=prefill_chunk, reserve=len(ids) + max_tokens)
 
     tic = time.perf_counter()
     cached = sync_session(session, ids, chunk_size=prefill_chunk, progress=progress)

@@ -56,14 +56,18 @@ class Session:
         logits: f32 next-token logits ``[V]`` after the last processed token (``None`` when empty).
     """
 
-    def __init__(self, model: Model, *, chunk_size: int = DEFAULT_CHUNK):
+    def __init__(self, model: Model, *, chunk_size: int = DEFAULT_CHUNK, reserve: int = 0):
+        """``reserve``: the context (tokens) to size the KV buffers for up front, e.g. the server's ``--ctx``.
+        Within it the buffers never grow, so compiled decode steps are never retraced (a growth past it
+        doubles them, which costs one retrace, and on GPUs a JIT of the kernels at the new shapes)."""
         self.model = model
         self.chunk_size = chunk_size
+        self.reserve = reserve
         self.reset()
 
     def reset(self) -> None:
         """Forget everything: empty caches, no tokens, no logits."""
-        self.caches = self.model.make_cache()
+        self.caches = self.model.make_cache(self.reserve)
         self._tokens: list[int | mx.array] = []  # an mx.array entry is a token queued by a pipelined step
         self.logits: mx.array | None = None
         self._lazy_steps = 0
@@ -129,5 +133,6 @@ class Session:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes held by the KV state (raw windows, compressed rows, frontiers) of every layer."""
+        """Bytes of every layer's KV state (raw windows, valid compressed rows, frontiers), as ds4-bench's
+        ``kvcache_bytes`` counts it: what the state holds, not the spare capacity of its buffers."""
         return sum(c.nbytes for c in self.caches)

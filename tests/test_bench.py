@@ -147,8 +147,8 @@ def test_greedy_probe_excludes_eos(tiny):
     class EosModel:
         cfg = model.cfg
 
-        def make_cache(self):
-            return model.make_cache()
+        def make_cache(self, reserve=0):
+            return model.make_cache(reserve)
 
         def __call__(self, tokens, pos, caches):
             logits = model(tokens, pos, caches)

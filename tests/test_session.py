@@ -109,3 +109,35 @@ def test_compiled_steps_match_op_by_op(model):
         assert any(layer._steps for layer in model.layers) == compiled  # the steps really were compiled
     model.set_compile_decode(True)
     assert _rel(runs[0], runs[1]) <= 1e-5
+
+
+def test_reserved_buffers_keep_compiled_steps(model, monkeypatch):
+    """``Session(reserve=N)``: the compressed-row buffers are sized once, so decode never retraces a compiled
+    step after its first few tokens; with growing buffers (the default) a growth (16 -> 32 rows at ratio 4,
+    token 68) retraces. Same logits either way."""
+    from ds4_mlx.model.model import Block
+
+    traced_at: list[int] = []
+    step = Block._step
+
+    def counting_step(self, key, S, tokens, st, io):  # runs once per trace (and every uncompiled step)
+        traced_at.append(pos)
+        return step(self, key, S, tokens, st, io)
+
+    monkeypatch.setattr(Block, "_step", counting_step)
+    tokens = prompt(84, seed=4)
+    runs = {}
+    for reserve in (0, 100):
+        model.set_compile_decode(True)  # drop the traces of earlier runs
+        s = Session(model, reserve=reserve)
+        s.prefill(tokens[:20])
+        traced_at.clear()
+        out = []
+        for pos, t in enumerate(tokens[20:], start=20):
+            out.append(np.array(s.step(t)))
+        runs[reserve] = (np.stack(out), [p for p in traced_at if p >= 40], s.caches[2].comp.shape[0])
+    (grown, late_grown, cap_grown), (kept, late_kept, cap_kept) = runs[0], runs[100]
+    assert cap_grown == 32 and cap_kept == 25  # the growing buffer doubled; the reserved one holds 100/4 rows
+    assert late_grown and min(late_grown) == 67  # the step whose window completion needs the 17th row
+    assert late_kept == [] and traced_at  # (traced_at: the reserved run traced its steps early on)
+    assert _rel(kept, grown) <= 1e-5

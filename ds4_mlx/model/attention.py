@@ -49,6 +49,9 @@ class LayerCache:
     index: mx.array | None = None  # [capacity, 128]  indexer compressed rows (ratio 4)
     n_index: int = 0
     index_state: CompressorState | None = None  # indexer compressor frontier (f32)
+    # Capacity the compressed-row buffers take at their first growth: the rows of the session's reserved
+    # context. A buffer that never grows keeps the compiled decode steps' shapes (no retrace, no kernel JIT).
+    reserve_rows: int = 0
 
     @property
     def n_raw(self) -> int:
@@ -87,15 +90,18 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        arrays = [self.raw, self.comp, self.index]
+        """Bytes of the state's contents: the valid rows of the capacity buffers (not their spare room)."""
+        rows = [(self.raw, self.n_raw), (self.comp, self.n_comp), (self.index, self.n_index)]
         states = [self.comp_state, self.index_state]
-        return sum(a.nbytes for a in arrays if a is not None) + sum(s.nbytes for s in states if s is not None)
+        used = sum(a.itemsize * n * a.shape[1] for a, n in rows if a is not None)
+        return used + sum(s.nbytes for s in states if s is not None)
 
 
-def make_layer_cache(cfg: ModelConfig, il: int) -> LayerCache:
-    """An empty cache for layer ``il``."""
+def make_layer_cache(cfg: ModelConfig, il: int, reserve: int = 0) -> LayerCache:
+    """An empty cache for layer ``il``; its compressed-row buffers grow to ``reserve`` tokens' rows at once."""
     r = cfg.compress_ratio(il)
-    cache = LayerCache(ratio=r, pos=0, raw=mx.zeros((0, cfg.head_dim), mx.float32))
+    rows = -(-reserve // r) if r else 0
+    cache = LayerCache(ratio=r, pos=0, raw=mx.zeros((0, cfg.head_dim), mx.float32), reserve_rows=rows)
     if r:
         cache.comp = mx.zeros((0, cfg.head_dim), mx.float32)
         cache.comp_state = CompressorState.init(r, cfg.head_dim)
@@ -120,24 +126,27 @@ class DecodeKey(NamedTuple):
     static: bool  # the raw window is full, so the step's shapes repeat from token to token
 
 
-def _reserve(buf: mx.array, n: int, need: int, dtype) -> mx.array:
+def _reserve(buf: mx.array, n: int, need: int, dtype, floor: int = 0) -> mx.array:
     """A capacity buffer whose first ``n`` rows are kept, stored as ``dtype``, with room for ``need`` rows.
 
-    Capacity doubles, so a decode step's buffer shapes (and its compiled trace) change only log-many times.
+    Capacity grows to at least ``floor`` rows, then doubles, so a decode step's buffer shapes (and its compiled
+    trace) change only log-many times, and never while the session stays within its reserved context.
     """
     if buf.dtype != dtype:
         buf = buf.astype(dtype)
     if buf.shape[0] < need:
-        cap = max(2 * buf.shape[0], need, 16)
+        cap = max(2 * buf.shape[0], need, 16, floor)
         buf = mx.concatenate([buf[:n], mx.zeros((cap - n, buf.shape[1]), buf.dtype)])
     return buf
 
 
-def _append_rows(buf: mx.array, n: int, rows: mx.array | None, dtype=mx.float32) -> tuple[mx.array, int]:
-    """Write ``rows`` after the first ``n`` rows of a capacity buffer, stored as ``dtype``."""
+def _append_rows(
+    buf: mx.array, n: int, rows: mx.array | None, dtype=mx.float32, floor: int = 0
+) -> tuple[mx.array, int]:
+    """Write ``rows`` after the first ``n`` rows of a capacity buffer (see :func:`_reserve`), stored as ``dtype``."""
     if rows is None:
         return buf, n
-    buf = _reserve(buf, n, n + rows.shape[0], dtype)
+    buf = _reserve(buf, n, n + rows.shape[0], dtype, floor)
     return mx.slice_update(buf, rows.astype(buf.dtype), mx.array([n]), axes=(0,)), n + rows.shape[0]
 
 
@@ -199,10 +208,10 @@ class Attention:
 
         if r:
             rows, cache.comp_state = self.compressor(n, pos, cache.comp_state)
-            cache.comp, cache.n_comp = _append_rows(cache.comp, cache.n_comp, rows, self.kv_dtype)
+            cache.comp, cache.n_comp = _append_rows(cache.comp, cache.n_comp, rows, self.kv_dtype, cache.reserve_rows)
             if self.indexer is not None:
                 irows, cache.index_state = self.indexer.compressor(n, pos, cache.index_state)
-                cache.index, cache.n_index = _append_rows(cache.index, cache.n_index, irows)
+                cache.index, cache.n_index = _append_rows(cache.index, cache.n_index, irows, mx.float32, cache.reserve_rows)
 
         # Attention, in blocks of queries so that score matrices stay bounded at long contexts.
         B = self._query_block(T, keep, cache)
@@ -246,12 +255,12 @@ class Attention:
             io["comp"] = self.compressor.decode_inputs(pos)
             io["slot"] = index_array(cache.n_comp)  # where a completed window's row goes
             if complete:
-                cache.comp = _reserve(cache.comp, cache.n_comp, cache.n_comp + 1, self.kv_dtype)
+                cache.comp = _reserve(cache.comp, cache.n_comp, cache.n_comp + 1, self.kv_dtype, cache.reserve_rows)
             io["visible"] = _visible(n_vis, cache.comp.shape[0])
         if self.indexer is not None:
             io["index"] = self.indexer.compressor.decode_inputs(pos)
             if complete:
-                cache.index = _reserve(cache.index, cache.n_index, cache.n_index + 1, mx.float32)
+                cache.index = _reserve(cache.index, cache.n_index, cache.n_index + 1, mx.float32, cache.reserve_rows)
             if select:
                 io["Ci"], io["Si"] = self.rope.tables([pos], self.indexer.head_dim)
                 io["index_visible"] = _visible(n_vis, cache.index.shape[0])

@@ -103,9 +103,10 @@ class Model:
             layer._steps.clear()
         self._decode_head = mx.compile(self.head) if on else self.head
 
-    def make_cache(self) -> list[LayerCache]:
-        """Fresh per-layer KV state (raw window, compressed rows, compressor/indexer frontiers)."""
-        return [make_layer_cache(self.cfg, il) for il in range(self.cfg.n_layer)]
+    def make_cache(self, reserve: int = 0) -> list[LayerCache]:
+        """Fresh per-layer KV state (raw window, compressed rows, compressor/indexer frontiers); the
+        compressed-row buffers are sized for ``reserve`` tokens when they are first written."""
+        return [make_layer_cache(self.cfg, il, reserve) for il in range(self.cfg.n_layer)]
 
     def embed(self, tokens: mx.array) -> mx.array:
         """``tokens [T]`` -> initial state ``[T, n_hc, E]``: every stream is the f16 embedding row (§4.2)."""
