@@ -23,10 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds4_mlx.model.attention import Attention  # noqa: E402
 from ds4_mlx.model.model import Model, hc_post, hc_pre  # noqa: E402
-from ds4_mlx.numerics import kv_row  # noqa: E402
-from ds4_mlx.model.rope import apply_rope  # noqa: E402
 from ds4_mlx.random_model import random_weights, shape_config  # noqa: E402
 from ds4_mlx.session import Session  # noqa: E402
 from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend  # noqa: E402
@@ -55,17 +52,6 @@ def tie(x: mx.array, y: mx.array) -> mx.array:
     return x + 0.0 * y.reshape(-1)[:1].astype(x.dtype)
 
 
-def attn_proj(a: Attention, x: mx.array, pos: int):
-    """The projections of ``Attention.__call__`` (q LoRA, shared KV row, norms, RoPE, KV rounding)."""
-    n = mx.fast.rms_norm(x, a.attn_norm, a.eps)
-    qr = mx.fast.rms_norm(a.attn_q_a.matmul(n), a.attn_q_a_norm, a.eps)
-    q = mx.fast.rms_norm(a.attn_q_b.matmul(qr).reshape(1, a.n_head, a.head_dim), None, a.eps)
-    kv = mx.fast.rms_norm(a.attn_kv.matmul(n), a.attn_kv_a_norm, a.eps)
-    C, S = a.rope.tables(np.array([pos]), a.head_dim)
-    q = apply_rope(q, C[:, None, :], S[:, None, :])
-    return n, qr, q, kv_row(apply_rope(kv, C, S), a.numerics, a.nope)
-
-
 def layer_pieces(model: Model, il: int, cache, pos: int, tok: mx.array) -> dict:
     """{name: step function x[1, E] -> x} for the pieces of layer ``il`` at the decode position."""
     cfg, L = model.cfg, model.layers[il]
@@ -78,7 +64,7 @@ def layer_pieces(model: Model, il: int, cache, pos: int, tok: mx.array) -> dict:
         "hc_pre one threadgroup": lambda x: hc_pre(tie(S0, x), *L.hc_attn, cfg, split=False)[0],
         "hc_post": lambda x: hc_post(tie(S0, x), x, mx.ones((1, cfg.n_hc)), mx.ones((1, cfg.n_hc, cfg.n_hc)))[:, 0, :],
         "attention": lambda x: a(x, pos, cache.snapshot()),
-        "attn proj": lambda x: tie(x, attn_proj(a, x, pos)[2]),
+        "attn proj": lambda x: tie(x, a._project(x, *a.rope.tables([pos], a.head_dim))[2]),
         "attn output": lambda x: a.attn_output_b.matmul(
             a._grouped_output_a(tie(mx.ones((1, a.n_head, a.head_dim)), x))),
         "moe": lambda x: f(x, tok),
