@@ -97,27 +97,15 @@ def component_times(model: Model, sess: Session, reps: int) -> dict[str, float]:
             [("attention", attention), ("moe", moe), ("hc", hc), ("output head", head)]}
 
 
-def decode_seconds(sess: Session, n: int, pipelined: bool) -> float:
-    """Mean seconds per token of ``n`` greedy decode steps.
+def decode_seconds(sess: Session, n: int, pipelined: bool) -> tuple[float, dict[str, float]]:
+    """Mean seconds per token of ``n`` greedy decode steps, and the host's ms per token in each part.
 
     Pipelined (mlx-lm style): the next step's graph is built while the device runs this one and the token
     ids are read back one step late, as a streaming generator would. Otherwise each step waits for its token.
+    The parts (meaningful when pipelined): ``build`` (Python and the compiled steps' trace replay), ``encode``
+    (inside ``mx.async_eval``, where MLX turns every op into launches) and ``wait`` (for the previous token).
+    A wait near zero means the device idles on the host, not the other way round.
     """
-    lazy = mx.argmax(sess.logits)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        nxt = mx.argmax(sess.step(lazy if pipelined else int(lazy.item())))
-        if pipelined:
-            lazy.item()
-        lazy = nxt
-    lazy.item()
-    return (time.perf_counter() - t0) / n
-
-
-def host_split(sess: Session, n: int) -> dict[str, float]:
-    """Pipelined decode's mean ms per token split on the host: ``build`` (Python and the compiled steps' trace
-    replay), ``encode`` (inside ``mx.async_eval``, where MLX turns every op into launches) and ``wait`` (for
-    the previous token). A wait near zero means the device idles on the host, not the other way round."""
     spent = {"build": 0.0, "encode": 0.0, "wait": 0.0}
     async_eval = mx.async_eval
 
@@ -129,19 +117,22 @@ def host_split(sess: Session, n: int) -> dict[str, float]:
     mx.async_eval = timed  # Session.step looks it up at call time
     try:
         lazy = mx.argmax(sess.logits)
+        t0 = time.perf_counter()
         for _ in range(n):
             t = time.perf_counter()
-            nxt = mx.argmax(sess.step(lazy))
+            nxt = mx.argmax(sess.step(lazy if pipelined else int(lazy.item())))
             spent["build"] += time.perf_counter() - t
-            t = time.perf_counter()
-            lazy.item()
-            spent["wait"] += time.perf_counter() - t
+            if pipelined:
+                t = time.perf_counter()
+                lazy.item()
+                spent["wait"] += time.perf_counter() - t
             lazy = nxt
         lazy.item()
+        total = time.perf_counter() - t0
     finally:
         mx.async_eval = async_eval
     spent["build"] -= spent["encode"]
-    return {k: v / n * 1e3 for k, v in spent.items()}
+    return total / n, {k: v / n * 1e3 for k, v in spent.items()}
 
 
 # floor components (layout.decode_bytes_per_token labels) grouped like the timed components
@@ -197,13 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
     # Warm-up: kernel JIT and the compiled steps' traces; a window completes every 4 tokens, so 8 tokens
     # trace every step variant of this context.
     decode_seconds(sess, 8, pipelined=False)
-    t_decode_sync = decode_seconds(sess, n_decode, pipelined=False)
-    t_decode = decode_seconds(sess, n_decode, pipelined=True)
-    split = host_split(sess, n_decode)
+    t_decode_sync, _ = decode_seconds(sess, n_decode, pipelined=False)
+    t_decode, split = decode_seconds(sess, n_decode, pipelined=True)
     # Side by side in the same run: the same pipelined decode with the steps built op by op (not compiled).
     model.set_compile_decode(False)
     decode_seconds(sess, 2, pipelined=True)
-    t_decode_ops = decode_seconds(sess, n_decode, pipelined=True)
+    t_decode_ops, _ = decode_seconds(sess, n_decode, pipelined=True)
     model.set_compile_decode(True)
     tok = int(sess.tokens[-1])
     ctx = sess.pos

@@ -57,8 +57,8 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
     out = tmp_path / "res.json"
     res = bench.main(["--shape", "tiny", "--prefill", "23", "--chunk", "10", "--decode", "2", "--reps", "1",
                       "--json", str(out)])
-    # prompt + warm-up + sync + pipelined + host split + (warm-up + pipelined) op by op
-    assert json.loads(out.read_text())["decode_ctx"] == 23 + 8 + 2 + 2 + 2 + 2 + 2
+    # prompt + warm-up + sync + pipelined + (warm-up + pipelined) op by op
+    assert json.loads(out.read_text())["decode_ctx"] == 23 + 8 + 2 + 2 + 2 + 2
     split = res["decode_host_split_ms"]
     assert set(split) == {"build", "encode", "wait"} and split["encode"] > 0 and split["build"] > 0
     assert res["decode_ms"] > 0 and res["decode_uncompiled_ms"] > 0 and res["prefill_tok_s"] > 0 and 0 < res["floor_ratio"]
