@@ -17,3 +17,57 @@
 DS_FN float dsf_max(float a, float b) { return a > b ? a : b; }
 // ds4 evaluates the HC gates as 1/(1+expf(-z)) (MODEL.md §4.3).
 DS_FN float dsf_sigmoid(float z) { return 1.0f / (1.0f + DS_EXP(-z)); }
+DS_FN int min_i32(int a, int b) { return a < b ? a : b; }
+// An f32 score as a u32 key with the same order (larger score, larger key); -0 counts as +0, as == does.
+DS_FN uint32_t ds_score_key(float x) {
+  const uint32_t u = DS_F_AS_U32(x == 0.0f ? 0.0f : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+#ifndef DS_RINT
+#if defined(DS_METAL)
+#define DS_RINT(x) metal::rint(x)
+#define DS_FABS(x) metal::fabs(x)
+#define DS_F16R(x) float(half(x))
+#else
+#define DS_RINT(x) rintf(x)
+#define DS_FABS(x) fabsf(x)
+#define DS_F16R(x) __half2float(__float2half_rn(x))
+#endif
+#endif
+
+DS_FN float dsf_simd_max(float v) {
+  for (int m = 16; m > 0; m >>= 1) v = dsf_max(v, DS_SHFL_XOR(v, m));
+  return v;
+}
+// Exact power-of-two helpers (numerics.py): 2^e from exponent bits, floor/ceil of log2 of a positive normal.
+DS_FN float ds_pow2i(int e) { return DS_U32_AS_F((uint32_t)(e + 127) << 23); }
+DS_FN int ds_exponent(float t) { return (int)((DS_F_AS_U32(t) >> 23) & 0xFFu) - 127; }
+DS_FN int ds_ceil_log2(float t) { return ds_exponent(t) + ((DS_F_AS_U32(t) & 0x7FFFFFu) == 0u ? 0 : 1); }
+// Nearest FP8-E4M3FN value of |v| <= 448, ties to the even code (numerics.fp8_e4m3_round).
+DS_FN float ds_fp8_e4m3(float v) {
+  const float a = DS_FABS(v);
+  int e = ds_exponent(dsf_max(a, 0.015625f));
+  e = e < -6 ? -6 : e;
+  const float quantum = ds_pow2i(e - 3);
+  const float r = DS_RINT(a / quantum) * quantum;
+  return v < 0.0f ? -r : r;
+}
+
+// log1p(u) for u >= 0: log1pf on CUDA; Metal has no log1p, so the classic correction (Goldberg) keeps it
+// accurate to a few ulps where 1 + u rounds.
+#if defined(DS_METAL)
+DS_FN float ds_log1p(float u) {
+  const float w = 1.0f + u;
+  return w == 1.0f ? u : metal::log(w) * (u / (w - 1.0f));
+}
+#else
+DS_FN float ds_log1p(float u) { return log1pf(u); }
+#endif
+// ds4's router activation sqrt(softplus(x)), softplus(x) = x above 20, exp(x) below -20 (moe.sqrt_softplus).
+DS_FN float ds_sqrt_softplus(float x) {
+  const float sp = x > 20.0f ? x : (x < -20.0f ? DS_EXP(x) : ds_log1p(DS_EXP(x)));
+  return DS_SQRT(sp);
+}
+// (value, index) arg-max step: the larger value, ties to the lower index.
+DS_FN bool ds_beats(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }

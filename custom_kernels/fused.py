@@ -1,6 +1,7 @@
-"""Fused hyper-connection and KV-compressor kernels (``ds4_mlx.kernels.fused``).
+"""Fused kernels of the model graph (``ds4_mlx.kernels.fused``): hyper-connections, the KV compressor, and the
+decode step's attention, Q/KV rows, router and indexer.
 
-Four write-once bodies next to the quant kernels, rendered with the same header and prologues
+Write-once bodies next to the quant kernels, rendered with the same header and prologues
 (:func:`ds4_mlx.kernels.render_header`, ``METAL_PROLOGUE`` / ``CUDA_PROLOGUE``) plus ``fused.h``:
 
 - ``hc_pre.body``: HC pre (MODEL.md §4.3) in one launch, one threadgroup per token (prefill); for decode-sized
@@ -8,10 +9,20 @@ Four write-once bodies next to the quant kernels, rendered with the same header 
 - ``hc_post.body``: HC post (§4.9), ``S_new = post ⊗ y + Cᵀ S``.
 - ``comp_pool.body``: the compressor's window pooling, RMSNorm × weight and RoPE at the window start
   (§4.6 steps 4–6); the FP8/QAT/f16r simulations that follow stay in MLX.
+- ``qkv_rows.body``: the query heads' RMS norm and RoPE, and the KV row's norm, RoPE, FP8 and f16 rounding
+  (§4.4, §4.12), in one launch instead of ~15 MLX ops.
+- ``moe_route.body``: the top-k router (sqrt-softplus, biased top-k with ds4's tie rule, normalized weights;
+  §4.8) in one launch instead of ~10 MLX ops.
+- ``index_q.body``: the indexer's query heads: RoPE, Hadamard-128 and FP4 (§4.7, §4.12) in one launch.
+- ``topk_rows.body``: the indexer's top-k rows of one decode token, ties to the lower row (§4.7), in one
+  launch instead of MLX's topk + cumsum + argpartition + sort chain.
+- ``attn_one.body``: one decode token's attention over the raw window and its compressed (or selected) rows,
+  with the sink softmax and the output's inverse RoPE (§4.4), in one launch instead of ~15 MLX ops.
 
 Each public function has the signature of the pure-MLX code it replaces and falls back to it on the
 ``fallback`` backend (CPU, or ``DS4_MLX_KERNELS=fallback``) and for inputs the kernels do not cover.
-The pure-MLX versions are the oracle of the tests.
+The pure-MLX versions are the oracle of the tests. On MLX-CUDA a decode step is host-bound (each launch
+costs the host several µs to encode), so every launch these kernels save is time (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import CUDA_PROLOGUE, METAL_PROLOGUE, SOURCE_DIR, render_header
@@ -38,6 +50,12 @@ HC_PRE_SPLIT_MAX_T = 8
 HC_MIX_THREADS = 256
 #: Threads per threadgroup of the HC post kernel (largest of these dividing E).
 HC_POST_THREADS = (256, 128, 64, 32)
+#: Simdgroups per head of the one-token attention kernel; its threadgroup memory is (NSG + 1) * head_dim
+#: floats, so head_dim is capped to stay within Metal's 32 KB.
+ATTN_NSG = 8
+ATTN_MAX_HD = 512
+#: Threads of the indexer top-k kernel (one threadgroup).
+TOPK_THREADS = 512
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,10 @@ class KernelSpec:
     inputs: tuple[tuple[str, str], ...]
     outputs: tuple[str, ...]
     template: tuple[str, ...]
+    out_types: tuple[str, ...] = ()  # per output; default float
+
+    def out_type(self, i: int) -> str:
+        return self.out_types[i] if self.out_types else "float"
 
 
 SPECS = {
@@ -66,6 +88,23 @@ SPECS = {
         (("kv", "float"), ("score", "float"), ("norm", "float"), ("rc", "float"), ("rs", "float"), ("fparams", "float")),
         ("row",),
         ("HD", "ROWS", "LANES"),
+    ),
+    "attn_one": KernelSpec(
+        (("q", "float"), ("raw", "half"), ("comp", "half"), ("idx", "int32_t"), ("sinks", "float"), ("rc", "float"),
+         ("rs", "float"), ("counts", "int32_t"), ("fparams", "float")),
+        ("o",),
+        ("HD", "NSG", "USE_IDX", "KV16"),
+    ),
+    "qkv_rows": KernelSpec(
+        (("qb", "float"), ("kvb", "float"), ("norm", "float"), ("rc", "float"), ("rs", "float"), ("fparams", "float")),
+        ("q", "kv"),
+        ("HD", "NH", "NOPE", "F16R"),
+    ),
+    "index_q": KernelSpec((("qb", "float"), ("rc", "float"), ("rs", "float")), ("q",), ("NH", "QAT")),
+    "topk_rows": KernelSpec((("scores", "float"), ("counts", "int32_t")), ("idx",), ("NT",), ("int32_t",)),
+    "moe_route": KernelSpec(
+        (("logits", "float"), ("bias", "float"), ("fparams", "float")), ("sel", "w"), ("NE", "K", "NORM"),
+        ("int32_t", "float"),
     ),
 }
 
@@ -109,11 +148,21 @@ def instantiations() -> list[tuple[str, tuple]]:
     out.append(("hc_post", (("NHC", 4),)))
     for hd, rows, lanes in ((512, 8, 2), (128, 8, 2), (512, 128, 1), (128, 16, 1), (128, 128, 1)):
         out.append(("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes))))
+    for hd in (512, 128):
+        out += [("attn_one", (("HD", hd), ("NSG", ATTN_NSG), ("USE_IDX", u), ("KV16", 1))) for u in (0, 1)]
+    out.append(("topk_rows", (("NT", TOPK_THREADS),)))
+    out += [("qkv_rows", (("HD", 512), ("NH", 64), ("NOPE", 448), ("F16R", 1))),
+            ("qkv_rows", (("HD", 128), ("NH", 4), ("NOPE", 0), ("F16R", 0)))]  # fmt: skip
+    out += [("index_q", (("NH", 64), ("QAT", 1))), ("index_q", (("NH", 16), ("QAT", 0)))]
+    out += [("moe_route", (("NE", 256), ("K", 6), ("NORM", 1))), ("moe_route", (("NE", 16), ("K", 6), ("NORM", 0)))]
     return out
 
 
 def tag(kind: str, template: tuple) -> str:
     return f"{kind}_" + "_".join(f"{k}{v}" for k, v in template)
+
+
+CUDA_TYPES = {"half": "__half"}
 
 
 def render_cuda_unit(insts: list[tuple[str, tuple]]) -> str:
@@ -125,7 +174,7 @@ def render_cuda_unit(insts: list[tuple[str, tuple]]) -> str:
     parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cooperative_groups.h>\n"]
     for i, (kind, template) in enumerate(insts):
         spec = SPECS[kind]
-        params = ", ".join([f"const {t}* {n}" for n, t in spec.inputs] + [f"float* {o}" for o in spec.outputs])
+        params = ", ".join([f"const {CUDA_TYPES.get(t, t)}* {n}" for n, t in spec.inputs] + [f"{spec.out_type(i)}* {o}" for i, o in enumerate(spec.outputs)])
         consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template)
         parts.append(
             f"namespace ds_fu{i} {{\n{render_fused_header('cuda')}\n"
@@ -322,5 +371,225 @@ def compressor_pool(
         grid=(nw * hd, 1, 1),
         threadgroup=(hd, 1, 1),
         output_shapes=[(nw, hd)],
+        output_dtypes=[mx.float32],
+    )[0]
+
+
+# --- one-token attention ----------------------------------------------------------------------------------
+
+
+def kernel_counts(a: int, b: int) -> mx.array:
+    """The ``counts`` input of :func:`attend_one` and :func:`top_k_rows`: int32 ``[8] = (a, b, 0, ...)``, made
+    on the host and cached, so a compiled step takes it as an input instead of baking the numbers into its trace."""
+    return _i32(a, b)
+
+
+def attend_one(
+    q: mx.array,
+    raw: mx.array,
+    comp: mx.array | None,
+    idx: mx.array | None,
+    counts: mx.array,
+    sinks: mx.array,
+    C: mx.array,
+    S: mx.array,
+    scale: float,
+    *,
+    backend: str | None = None,
+) -> mx.array:
+    """One decode token's attention and the inverse RoPE of its output (MODEL.md §4.4) -> ``o [1, H, D]`` f32.
+
+    ``q [1, H, D]`` f32 (RoPE'd); ``raw [Mr, D]``: the raw window, every row visible; ``comp [cap, D]``: the
+    compressed-row buffer (raw's dtype, f16 or f32) or None; ``idx [1, k]`` (u)int32: the rows of ``comp`` the
+    indexer selected, or None to attend to the first ``counts[1]`` rows; ``counts`` int32 ``[8] = (Mr, rows of
+    comp attended, ...)``, made on the host so one compiled step serves every token; ``sinks [H]``; ``C, S
+    [1, D]``: the token's RoPE tables; ``scale``: the score scale.
+    """
+    from ds4_mlx.model.attention import attend
+    from ds4_mlx.model.rope import apply_rope
+
+    b = _pick(backend)
+    if q.ndim != 3 or q.shape[0] != 1:
+        raise ValueError(f"attend_one: q must be [1, H, D], got shape {tuple(q.shape)}")
+    _, H, D = q.shape
+    _check_f32("attend_one: q", q, (1, H, D))
+    _check_f32("attend_one: sinks", sinks, (H,))
+    _check_f32("attend_one: C", C, (1, D))
+    _check_f32("attend_one: S", S, (1, D))
+    if raw.ndim != 2 or raw.shape[1] != D or raw.dtype not in (mx.float16, mx.float32):
+        raise ValueError(f"attend_one: raw must be [Mr, {D}] f16/f32, got {tuple(raw.shape)} {raw.dtype}")
+    if comp is not None and (comp.ndim != 2 or comp.shape[1] != D or comp.dtype != raw.dtype):
+        raise ValueError(f"attend_one: comp must be [cap, {D}] {raw.dtype}, got {tuple(comp.shape)} {comp.dtype}")
+    if idx is not None and (comp is None or idx.ndim != 2 or idx.shape[0] != 1 or idx.dtype not in (mx.int32, mx.uint32)):
+        got = None if idx is None else (tuple(idx.shape), idx.dtype)
+        raise ValueError(f"attend_one: idx must be [1, k] int32/uint32 rows of comp, got {got}")
+    if counts.shape != (8,) or counts.dtype != mx.int32:
+        raise ValueError(f"attend_one: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
+    if b == "fallback" or D % 32 or D > ATTN_MAX_HD:
+        gathered = rows = mask = None
+        if idx is not None:
+            gathered = comp[idx].astype(mx.float32)  # [1, k, D]
+        elif comp is not None:
+            rows, mask = comp.astype(mx.float32), mx.arange(comp.shape[0])[None, :] < counts[1]
+        o = attend(q, raw.astype(mx.float32), None, rows, gathered, mask, sinks, scale)
+        return apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
+    # The kernel indexes flat buffers: inputs go in as they are shaped (a reshape would be one more graph node).
+    return get_fused_kernel("attn_one", b)(
+        inputs=[q, raw, raw if comp is None else comp, _i32(0) if idx is None else idx, sinks, C, S, counts,
+                _f32(float(scale))],
+        template=[("HD", D), ("NSG", ATTN_NSG), ("USE_IDX", int(idx is not None)), ("KV16", int(raw.dtype == mx.float16))],
+        grid=(H * ATTN_NSG * 32, 1, 1),
+        threadgroup=(ATTN_NSG * 32, 1, 1),
+        output_shapes=[(1, H, D)],
+        output_dtypes=[mx.float32],
+    )[0]  # fmt: skip
+
+
+# --- indexer top-k ----------------------------------------------------------------------------------------
+
+
+def top_k_rows(scores: mx.array, counts: mx.array, k: int, *, backend: str | None = None) -> mx.array:
+    """The ``k`` highest of the first ``counts[0]`` (> k) scores of ``scores [1, N]``, ties to the lower row,
+    as row indices ``[1, k]`` in ascending order (what ``select_top_k`` + ``selected_indices`` give).
+    ``counts`` int32 ``[8] = (visible rows, k, ...)`` is made on the host (:func:`kernel_counts`)."""
+    from ds4_mlx.model.indexer import select_top_k, selected_indices
+
+    b = _pick(backend)
+    if scores.ndim != 2 or scores.shape[0] != 1 or scores.dtype != mx.float32:
+        raise ValueError(f"top_k_rows: scores must be f32 [1, N], got {tuple(scores.shape)} {scores.dtype}")
+    if counts.shape != (8,) or counts.dtype != mx.int32:
+        raise ValueError(f"top_k_rows: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
+    if b == "fallback":
+        visible = mx.arange(scores.shape[1])[None, :] < counts[0]
+        scores = mx.where(visible, scores, -mx.inf)  # more than k visible: no -inf is selected
+        return selected_indices(select_top_k(scores, np.array([scores.shape[1]]), k), k).astype(mx.int32)
+    return get_fused_kernel("topk_rows", b)(
+        inputs=[scores, counts],
+        template=[("NT", TOPK_THREADS)],
+        grid=(TOPK_THREADS, 1, 1),
+        threadgroup=(TOPK_THREADS, 1, 1),
+        output_shapes=[(1, k)],
+        output_dtypes=[mx.int32],
+    )[0]
+
+
+# --- query heads and KV row -------------------------------------------------------------------------------
+
+
+def qkv_rows(
+    qb: mx.array,
+    kvb: mx.array,
+    norm: mx.array,
+    C: mx.array,
+    S: mx.array,
+    eps: float,
+    n_head: int,
+    *,
+    nope_fp8: int = 0,
+    f16r: bool = False,
+    backend: str | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Query heads and KV row after their projections (MODEL.md §4.4, §4.12) -> ``q [T, n_head, D]``, ``kv [T, D]``.
+
+    ``qb [T, n_head*D]`` (attn_q_b output): per-head RMS norm (no weight), RoPE. ``kvb [T, D]`` (attn_kv output):
+    RMS norm × ``norm [D]``, RoPE, then the FP8 round trip of the first ``nope_fp8`` dims (0: none) and f16
+    rounding (``f16r``), as ds4 stores the row. ``C, S [T, D]``: the tokens' RoPE tables.
+    """
+    from ds4_mlx.model.rope import apply_rope
+    from ds4_mlx.numerics import f16r as round_f16, fp8_e4m3_round_trip
+
+    b = _pick(backend)
+    if kvb.ndim != 2:
+        raise ValueError(f"qkv_rows: kvb must be [T, D], got shape {tuple(kvb.shape)}")
+    T, D = kvb.shape
+    _check_f32("qkv_rows: qb", qb, (T, n_head * D))
+    _check_f32("qkv_rows: kvb", kvb, (T, D))
+    _check_f32("qkv_rows: norm", norm, (D,))
+    _check_f32("qkv_rows: C", C, (T, D))
+    _check_f32("qkv_rows: S", S, (T, D))
+    if nope_fp8 % 64 or not 0 <= nope_fp8 <= D:
+        raise ValueError(f"qkv_rows: nope_fp8 must be a multiple of 64 in [0, {D}], got {nope_fp8}")
+    if b == "fallback" or D % 64 or D > 1024 or T == 0:
+        q = apply_rope(mx.fast.rms_norm(qb.reshape(T, n_head, D), None, eps), C[:, None, :], S[:, None, :])
+        kv = apply_rope(mx.fast.rms_norm(kvb, norm, eps), C, S)
+        if nope_fp8:
+            kv = fp8_e4m3_round_trip(kv, nope_fp8)
+        return q, round_f16(kv) if f16r else kv
+    return tuple(get_fused_kernel("qkv_rows", b)(
+        inputs=[qb, kvb, norm, C, S, _f32(float(eps))],
+        template=[("HD", D), ("NH", n_head), ("NOPE", nope_fp8), ("F16R", int(f16r))],
+        grid=(T * (n_head + 1) * D, 1, 1),
+        threadgroup=(D, 1, 1),
+        output_shapes=[(T, n_head, D), (T, D)],
+        output_dtypes=[mx.float32, mx.float32],
+    ))  # fmt: skip
+
+
+# --- MoE router -------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16)
+def _zeros(n: int) -> mx.array:
+    return mx.array(np.zeros(n, np.float32))
+
+
+def moe_route(
+    logits: mx.array, bias: mx.array | None, k: int, scale: float, norm: bool, *, backend: str | None = None
+) -> tuple[mx.array, mx.array]:
+    """Top-k router (MODEL.md §4.8) of ``logits [T, n_expert]`` (ffn_gate_inp output) -> expert ids int32
+    ``[T, k]`` by descending ``prob + bias`` (ties to the lower id) and their weights ``[T, k]``: the unbiased
+    probs, normalized if ``norm``, times ``scale``; same results as :func:`ds4_mlx.model.moe.route_top_k`."""
+    from ds4_mlx.model.moe import route_top_k
+
+    b = _pick(backend)
+    if logits.ndim != 2:
+        raise ValueError(f"moe_route: logits must be [T, n_expert], got shape {tuple(logits.shape)}")
+    T, NE = logits.shape
+    _check_f32("moe_route: logits", logits, (T, NE))
+    if bias is not None:
+        _check_f32("moe_route: bias", bias, (NE,))
+    if not 0 < k <= NE:
+        raise ValueError(f"moe_route: k must be in 1..{NE}, got {k}")
+    if b == "fallback" or k > 32 or NE > 1024 or T == 0:
+        return route_top_k(logits, bias, k, scale, norm)
+    threads = -(-NE // 32) * 32
+    return tuple(get_fused_kernel("moe_route", b)(
+        inputs=[logits, _zeros(NE) if bias is None else bias, _f32(float(scale))],
+        template=[("NE", NE), ("K", k), ("NORM", int(norm))],
+        grid=(T * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(T, k), (T, k)],
+        output_dtypes=[mx.int32, mx.float32],
+    ))  # fmt: skip
+
+
+# --- indexer query heads ----------------------------------------------------------------------------------
+
+
+def index_query(
+    qb: mx.array, C: mx.array, S: mx.array, n_head: int, qat: bool, *, backend: str | None = None
+) -> mx.array:
+    """The indexer's query heads (MODEL.md §4.7) -> ``[T, n_head, 128]``: RoPE of ``qb [T, n_head*128]``
+    (indexer.attn_q_b output) with the tokens' tables ``C, S [T, 128]``, then, with ``qat``, Hadamard-128 and
+    the FP4 round trip (``numerics.indexer_query``)."""
+    from ds4_mlx.model.rope import apply_rope
+    from ds4_mlx.numerics import HADAMARD_DIM, indexer_qat
+
+    b = _pick(backend)
+    if qb.ndim != 2:
+        raise ValueError(f"index_query: qb must be [T, n_head*128], got shape {tuple(qb.shape)}")
+    T, D = qb.shape[0], HADAMARD_DIM
+    _check_f32("index_query: qb", qb, (T, n_head * D))
+    _check_f32("index_query: C", C, (T, D))
+    _check_f32("index_query: S", S, (T, D))
+    if b == "fallback" or T == 0:
+        q = apply_rope(qb.reshape(T, n_head, D), C[:, None, :], S[:, None, :])
+        return indexer_qat(q) if qat else q
+    return get_fused_kernel("index_q", b)(
+        inputs=[qb, C, S],
+        template=[("NH", n_head), ("QAT", int(qat))],
+        grid=(T * n_head * D, 1, 1),
+        threadgroup=(D, 1, 1),
+        output_shapes=[(T, n_head, D)],
         output_dtypes=[mx.float32],
     )[0]

@@ -40,6 +40,9 @@ T as_type(U u) { static_assert(sizeof(T) == sizeof(U), "as_type size"); T t; std
 namespace metal {
 inline float exp(float x) { return std::exp(x); }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline float rint(float x) { return std::nearbyint(x); }
+inline float log(float x) { return std::log(x); }
+inline float fabs(float x) { return std::fabs(x); }
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 enum memory_order { memory_order_relaxed };
 template <typename T> struct atomic { T v; };

@@ -191,8 +191,3 @@ def indexer_row(x: mx.array, numerics: Numerics) -> mx.array:
     if numerics.f16_cache:
         x = f16r(x)
     return x
-
-
-def indexer_query(x: mx.array, numerics: Numerics) -> mx.array:
-    """Indexer query heads: QAT only (no f16r, they are not cached)."""
-    return indexer_qat(x) if numerics.indexer_qat else x

@@ -1,4 +1,5 @@
-"""Fused HC pre / HC post / compressor-window kernels (custom_kernels/fused.py).
+"""Fused kernels (custom_kernels/fused.py): HC pre / HC post / compressor window, and the decode step's
+attention, Q/KV rows, indexer query, indexer top-k and MoE router.
 
 CPU (CI): the Metal instantiation of each body type-checks as MLX renders it (g++ + metal_shim.h), the CUDA
 instantiation compiles with nvcc, the wrapper's fallback equals the pure-MLX graph code (and a float64 numpy
@@ -80,7 +81,7 @@ sys.path.insert(0, sys.argv[1])
 from ds4_mlx.weights import _kernels
 _kernels()
 from ds4_mlx.kernels import fused
-DT = {"float": mx.float32, "uint32_t": mx.uint32, "int32_t": mx.int32}
+DT = {"float": mx.float32, "uint32_t": mx.uint32, "int32_t": mx.int32, "half": mx.float16}
 SMALL = {("hc_post", "post"): 4, ("hc_pre", "scale"): 3}  # < 8 elements: Metal makes a `constant` pointer
 d = tempfile.mkdtemp()
 for i, (kind, template) in enumerate(fused.instantiations()):
@@ -88,7 +89,7 @@ for i, (kind, template) in enumerate(fused.instantiations()):
     kern = fused.get_fused_kernel(kind, "metal")
     def f(*a):
         return kern(inputs=list(a), template=list(template), grid=(256, 1, 1), threadgroup=(256, 1, 1),
-                    output_shapes=[(8,)] * len(spec.outputs), output_dtypes=[mx.float32] * len(spec.outputs),
+                    output_shapes=[(8,)] * len(spec.outputs), output_dtypes=[DT[spec.out_type(i)] for i in range(len(spec.outputs))],
                     verbose=True)[0]
     args = [mx.zeros((SMALL.get((kind, n), 64),), dtype=DT[t]) for n, t in spec.inputs]
     print(f"@@@ {fused.tag(kind, template)}", flush=True)
@@ -348,3 +349,279 @@ def test_pool_kernel_wire_in():
     n = mx.random.normal((13, 64), key=mx.random.key(7))
     ref = on_cpu(lambda: comp(n, 0, comp.init_state())[0])
     close(decode_rows_fused(comp, n, BACKEND), ref, 2e-5)
+
+
+# --- one-token attention ----------------------------------------------------------------------------------
+
+
+def attn_inputs(H: int, D: int, n_raw: int, cap: int, n_comp: int, k: int, kv16: bool, seed: int = 0):
+    """Random q, raw/comp rows (f16-exact when kv16), selected rows, sinks and a RoPE row; keys at ~unit norm
+    so scores spread over several units (a non-trivial softmax)."""
+    rng = np.random.default_rng(seed)
+    dt = np.float16 if kv16 else np.float32
+    q = rng.standard_normal((1, H, D)).astype(np.float32) * 1.5
+    raw = rng.standard_normal((n_raw, D)).astype(dt)
+    comp = rng.standard_normal((cap, D)).astype(dt) if cap else None
+    idx = rng.choice(n_comp, size=(1, k), replace=False).astype(np.int32) if k else None
+    sinks = rng.standard_normal(H).astype(np.float32)
+    rope = Rope(n_rot=64, base=10000.0)  # RoPE on the last 64 dims, as in the model
+    C, S = rope.tables([int(rng.integers(0, 5000))], D)
+    return q, raw, comp, idx, sinks, C, S
+
+
+def attn_numpy(q, raw, comp, idx, n_comp, sinks, C, S, scale):
+    """float64 reference: softmax over [sink, raw rows, comp rows], sink in the denominator only; inverse RoPE."""
+    q, raw = np.asarray(q, np.float64)[0], np.asarray(raw, np.float64)
+    keys = raw
+    if comp is not None:
+        comp = np.asarray(comp, np.float64)
+        keys = np.concatenate([raw, comp[np.asarray(idx)[0]] if idx is not None else comp[:n_comp]])
+    s = q @ keys.T * scale  # [H, N]
+    logits = np.concatenate([np.asarray(sinks, np.float64)[:, None], s], axis=1)
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    o = p[:, 1:] @ keys  # [H, D]
+    C, S = np.asarray(C, np.float64), np.asarray(S, np.float64)
+    swapped = o.reshape(o.shape[0], -1, 2)[..., ::-1].reshape(o.shape)
+    return (o * C - swapped * S)[None]
+
+
+ATTN_CASES = [  # H, D, n_raw, cap, n_comp, k, kv16
+    (4, 128, 1, 0, 0, 0, True),  # first token: raw only
+    (4, 128, 16, 0, 0, 0, False),
+    (4, 128, 16, 32, 5, 0, True),  # dense compressed rows, most of the buffer not visible yet
+    (4, 128, 9, 24, 24, 0, False),
+    (4, 128, 16, 40, 30, 4, True),  # the indexer's selection
+    (64, 512, 128, 1024, 512, 0, True),  # V4 Flash: full window + 512 dense rows
+    (64, 512, 128, 2048, 700, 512, True),  # V4 Flash: top-512 of 700 rows
+    (64, 512, 100, 64, 17, 0, False),
+]
+
+
+@pytest.mark.parametrize("case", ATTN_CASES[:5] + ATTN_CASES[-1:])
+def test_attend_one_fallback_vs_numpy(case):
+    H, D, n_raw, cap, n_comp, k, kv16 = case
+    q, raw, comp, idx, sinks, C, S = attn_inputs(H, D, n_raw, cap, n_comp, k, kv16, seed=n_raw + cap)
+    scale = 1.0 / math.sqrt(D)
+    counts = fused.kernel_counts(n_raw, k or n_comp)
+    got = on_cpu(fused.attend_one, mx.array(q), mx.array(raw), None if comp is None else mx.array(comp),
+                 None if idx is None else mx.array(idx), counts, mx.array(sinks), C, S, scale, backend="fallback")
+    close(got, attn_numpy(q, raw, comp, idx, n_comp, sinks, C, S, scale), 2e-6)
+
+
+def test_attend_one_validation():
+    q, raw, comp, idx, sinks, C, S = attn_inputs(4, 128, 16, 40, 30, 4, True)
+    q, raw, comp, idx, sinks = map(mx.array, (q, raw, comp, idx, sinks))
+    counts = fused.kernel_counts(16, 4)
+    with pytest.raises(ValueError, match="q must be"):
+        fused.attend_one(q[0], raw, comp, idx, counts, sinks, C, S, 0.1)
+    with pytest.raises(ValueError, match="comp must be"):
+        fused.attend_one(q, raw, comp.astype(mx.float32), idx, counts, sinks, C, S, 0.1)
+    with pytest.raises(ValueError, match="idx must be"):
+        fused.attend_one(q, raw, None, idx, counts, sinks, C, S, 0.1)
+    with pytest.raises(ValueError, match="counts must be"):
+        fused.attend_one(q, raw, comp, idx, mx.array([16, 4], dtype=mx.int32), sinks, C, S, 0.1)
+    with pytest.raises(ValueError, match="sinks"):
+        fused.attend_one(q, raw, comp, idx, counts, sinks[:3], C, S, 0.1)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", ATTN_CASES)
+def test_attend_one_kernel(case):
+    H, D, n_raw, cap, n_comp, k, kv16 = case
+    q, raw, comp, idx, sinks, C, S = attn_inputs(H, D, n_raw, cap, n_comp, k, kv16, seed=H + n_raw + cap + k)
+    args = (mx.array(q), mx.array(raw), None if comp is None else mx.array(comp), None if idx is None else mx.array(idx),
+            fused.kernel_counts(n_raw, k or n_comp), mx.array(sinks), C, S, 1.0 / math.sqrt(D))  # fmt: skip
+    ref = on_cpu(fused.attend_one, *args, backend="fallback")
+    got = fused.attend_one(*args, backend=BACKEND)
+    close(got, ref, 2e-5)
+    close(got, attn_numpy(q, raw, comp, idx, n_comp, sinks, C, S, args[-1]), 2e-5)
+
+
+# --- indexer top-k ----------------------------------------------------------------------------------------
+
+
+def topk_numpy(scores: np.ndarray, n: int, k: int) -> np.ndarray:
+    """ds4's order: score descending, then row ascending; the k first rows, returned ascending."""
+    s = scores[0, :n].astype(np.float64)
+    order = sorted(range(n), key=lambda c: (-s[c], c))
+    return np.sort(np.array(order[:k]))[None]
+
+
+def topk_scores(N: int, n: int, k: int, ties: bool, seed: int) -> np.ndarray:
+    """Random scores (negative and positive); ``ties`` draws them from a few values, zeros of both signs
+    included, so the k-th value is shared by rows on both sides of the cut."""
+    rng = np.random.default_rng(seed)
+    s = rng.standard_normal((1, N)).astype(np.float32) * 3
+    if ties:
+        s = rng.choice(np.array([-1.5, -0.0, 0.0, 0.25, 2.0], np.float32), size=(1, N))
+    s[0, n:] = 1e9  # rows beyond n are not visible, whatever they hold
+    return s
+
+
+TOPK_CASES = [(40, 30, 4, False), (40, 30, 4, True), (64, 13, 12, True), (2048, 700, 512, False),
+              (2048, 700, 512, True), (4096, 4000, 512, False), (20000, 9000, 512, True), (16, 16, 15, False)]
+
+
+@pytest.mark.parametrize("N,n,k,ties", TOPK_CASES)
+def test_top_k_rows_fallback_vs_numpy(N, n, k, ties):
+    s = topk_scores(N, n, k, ties, seed=N + n)
+    got = on_cpu(fused.top_k_rows, mx.array(s), fused.kernel_counts(n, k), k, backend="fallback")
+    assert got.dtype == mx.int32
+    np.testing.assert_array_equal(np.array(got), topk_numpy(s, n, k))
+
+
+def test_top_k_rows_validation():
+    with pytest.raises(ValueError, match="scores must be"):
+        fused.top_k_rows(mx.zeros((2, 8)), fused.kernel_counts(8, 2), 2)
+    with pytest.raises(ValueError, match="counts must be"):
+        fused.top_k_rows(mx.zeros((1, 8)), mx.array([8, 2]), 2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("N,n,k,ties", TOPK_CASES)
+def test_top_k_rows_kernel(N, n, k, ties):
+    s = topk_scores(N, n, k, ties, seed=N + n + 1)
+    got = fused.top_k_rows(mx.array(s), fused.kernel_counts(n, k), k, backend=BACKEND)
+    np.testing.assert_array_equal(np.array(got), topk_numpy(s, n, k))
+
+
+# --- query heads and KV row -------------------------------------------------------------------------------
+
+
+def qkv_inputs(T: int, H: int, D: int, seed: int = 0):
+    """Random projections at a few units (the FP8 scale then varies per 64-block), norm weight, RoPE tables."""
+    rng = np.random.default_rng(seed)
+    qb = mx.array(rng.standard_normal((T, H * D)).astype(np.float32) * 2)
+    kvb = mx.array((rng.standard_normal((T, D)) * rng.uniform(0.01, 30, (1, D))).astype(np.float32))
+    norm = mx.array(rng.uniform(0.2, 3.0, D).astype(np.float32))
+    C, S = Rope(n_rot=64, base=10000.0).tables(1000 + np.arange(T) * 7, D)
+    return qb, kvb, norm, C, S
+
+
+def fp8_codes(x: np.ndarray, nope: int) -> np.ndarray:
+    """Per element of the FP8 dims: the value in units of its block's scale (an integer-spaced E4M3 code)."""
+    xb = x[..., :nope].reshape(*x.shape[:-1], -1, 64)
+    amax = np.maximum(np.abs(xb).max(axis=-1, keepdims=True), 1e-4)
+    return xb / 2.0 ** np.ceil(np.log2(amax / 448))
+
+
+@pytest.mark.parametrize("nope,f16", [(448, True), (0, False)])
+def test_qkv_rows_fallback_is_the_graph_code(nope, f16):
+    from ds4_mlx.model.rope import apply_rope
+    from ds4_mlx.numerics import fp8_e4m3_round_trip
+
+    qb, kvb, norm, C, S = qkv_inputs(3, 2, 512)
+    q, kv = fused.qkv_rows(qb, kvb, norm, C, S, 1e-6, 2, nope_fp8=nope, f16r=f16, backend="fallback")
+    ref_kv = apply_rope(mx.fast.rms_norm(kvb, norm, 1e-6), C, S)
+    if nope:
+        ref_kv = fp8_e4m3_round_trip(ref_kv, nope)
+    ref_kv = ref_kv.astype(mx.float16).astype(mx.float32) if f16 else ref_kv
+    np.testing.assert_array_equal(np.array(kv), np.array(ref_kv))
+    ref_q = apply_rope(mx.fast.rms_norm(qb.reshape(3, 2, 512), None, 1e-6), C[:, None], S[:, None])
+    np.testing.assert_array_equal(np.array(q), np.array(ref_q))
+
+
+def test_qkv_rows_validation():
+    qb, kvb, norm, C, S = qkv_inputs(1, 2, 128)
+    with pytest.raises(ValueError, match="qb"):
+        fused.qkv_rows(qb, kvb, norm, C, S, 1e-6, 3)
+    with pytest.raises(ValueError, match="nope_fp8"):
+        fused.qkv_rows(qb, kvb, norm, C, S, 1e-6, 2, nope_fp8=100)
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,H,D,nope,f16", [(1, 64, 512, 448, True), (1, 64, 512, 0, False), (5, 4, 128, 64, True),
+                                            (3, 4, 128, 0, True), (17, 64, 512, 448, True)])
+def test_qkv_rows_kernel(T, H, D, nope, f16):
+    """q matches to f32 rounding. The KV row goes through FP8, where a last-bit difference in the norm or RoPE
+    can move a value across a rounding boundary: all but a few elements must agree exactly (after f16), and
+    those few by at most one E4M3 code step."""
+    qb, kvb, norm, C, S = qkv_inputs(T, H, D, seed=T + H + nope)
+    ref_q, ref_kv = on_cpu(fused.qkv_rows, qb, kvb, norm, C, S, 1e-6, H, nope_fp8=nope, f16r=f16, backend="fallback")
+    q, kv = fused.qkv_rows(qb, kvb, norm, C, S, 1e-6, H, nope_fp8=nope, f16r=f16, backend=BACKEND)
+    close(q, ref_q, 2e-6)
+    kv, ref_kv = np.array(kv, np.float64), np.array(ref_kv, np.float64)
+    rope_part = slice(nope, D)
+    close(kv[:, rope_part], ref_kv[:, rope_part], 2e-3 if f16 else 2e-6)  # f16 rounding can flip one ulp
+    if nope:
+        got, want = fp8_codes(kv, nope), fp8_codes(ref_kv, nope)
+        diff = np.abs(got - want)
+        assert (diff > 0).mean() < 0.01, f"{(diff > 0).mean():.3%} of FP8 values differ"
+        assert np.all(diff <= np.maximum(np.abs(want) / 8, 2**-9) * 1.01), "an FP8 value moved by more than one step"
+
+
+# --- MoE router -------------------------------------------------------------------------------------------
+
+
+def route_inputs(T: int, NE: int, ties: bool, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((T, NE)).astype(np.float32) * 4  # both softplus branches and the x > 20 cut
+    logits[:, :3] = [25.0, -25.0, 21.0]
+    bias = rng.standard_normal(NE).astype(np.float32) * 0.5
+    if ties:  # few distinct logits, no bias: equal scores, so the lower-id rule decides
+        logits, bias = rng.choice(np.array([-1.0, 0.5, 2.0], np.float32), size=(T, NE)), None
+    return mx.array(logits), None if bias is None else mx.array(bias)
+
+
+def test_moe_route_validation():
+    logits, bias = route_inputs(2, 16, False)
+    with pytest.raises(ValueError, match="k must be"):
+        fused.moe_route(logits, bias, 17, 1.5, True)
+    with pytest.raises(ValueError, match="bias"):
+        fused.moe_route(logits, bias[:8], 6, 1.5, True)
+    sel, w = fused.moe_route(logits, bias, 6, 1.5, True, backend="fallback")
+    assert sel.shape == w.shape == (2, 6) and sel.dtype == mx.int32
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,NE,k,norm,ties", [(1, 256, 6, True, False), (1, 256, 6, True, True), (7, 16, 6, False, False),
+                                              (3, 16, 6, True, True), (65, 256, 6, True, False), (2, 40, 8, True, False)])
+def test_moe_route_kernel(T, NE, k, norm, ties):
+    from ds4_mlx.model.moe import route_top_k
+
+    logits, bias = route_inputs(T, NE, ties, seed=T + NE)
+    ref_sel, ref_w = on_cpu(route_top_k, logits, bias, k, 1.5, norm)
+    sel, w = fused.moe_route(logits, bias, k, 1.5, norm, backend=BACKEND)
+    np.testing.assert_array_equal(np.array(sel), np.array(ref_sel))
+    close(w, ref_w, 2e-6)
+
+
+# --- indexer query heads ----------------------------------------------------------------------------------
+
+
+def test_index_query_fallback_is_the_graph_code():
+    from ds4_mlx.model.rope import apply_rope
+    from ds4_mlx.numerics import indexer_qat
+
+    rng = np.random.default_rng(3)
+    qb = mx.array(rng.standard_normal((2, 4 * 128)).astype(np.float32))
+    C, S = Rope(n_rot=64, base=10000.0).tables([5, 900], 128)
+    ref = apply_rope(qb.reshape(2, 4, 128), C[:, None], S[:, None])
+    np.testing.assert_array_equal(np.array(fused.index_query(qb, C, S, 4, False, backend="fallback")), np.array(ref))
+    got = fused.index_query(qb, C, S, 4, True, backend="fallback")
+    np.testing.assert_array_equal(np.array(got), np.array(indexer_qat(ref)))
+    with pytest.raises(ValueError, match="qb"):
+        fused.index_query(qb, C, S, 3, True)
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,H,qat", [(1, 64, True), (1, 64, False), (5, 16, True), (33, 64, True)])
+def test_index_query_kernel(T, H, qat):
+    """RoPE alone matches to f32 rounding. With QAT the Hadamard sums in another order than the reference
+    matmul, so a value on an FP4 rounding boundary may land one step away: rare, and never further."""
+    rng = np.random.default_rng(T + H)
+    qb = mx.array((rng.standard_normal((T, H * 128)) * rng.uniform(0.1, 10, (1, H * 128))).astype(np.float32))
+    C, S = Rope(n_rot=64, base=160000.0, freq_scale=1 / 16, yarn=True, corr_low=15.0, corr_high=25.0).tables(
+        300 + np.arange(T) * 3, 128)  # fmt: skip
+    ref = np.array(on_cpu(fused.index_query, qb, C, S, H, qat, backend="fallback"), np.float64)
+    got = np.array(fused.index_query(qb, C, S, H, qat, backend=BACKEND), np.float64)
+    if not qat:
+        close(got, ref, 2e-6)
+        return
+    blocks = ref.reshape(T, H, 4, 32)
+    scale = 2.0 ** np.ceil(np.log2(np.maximum(np.abs(blocks).max(axis=-1, keepdims=True), 1e-30) / 6))
+    g, r = got.reshape(blocks.shape) / scale, blocks / scale  # FP4 codes: multiples of 0.5 / 1 / 2
+    diff = np.abs(g - r)
+    assert (diff > 0).mean() < 0.01, f"{(diff > 0).mean():.3%} of FP4 values differ"
+    assert np.all(diff <= np.where(np.abs(r) < 2, 0.5, np.where(np.abs(r) < 4, 1.0, 2.0)) * 1.01)

@@ -70,8 +70,8 @@ def test_decode_step_launch_budget():
     """The decode step's launch count on the GPU code path (benchmarks/graph_cost.py, kernels stood in for).
 
     On the H200 decode is host-bound: each launch costs ~7 µs of host time (benchmarks/RESULTS.md), so the
-    count is the speed. 6 layers of the real pattern took 78-79 launches per layer (compiled step) when this
-    was written; raise the budget only for a change that needs the ops.
+    count is the speed. 6 layers of the real pattern took 78-79 launches per layer (compiled step) before the
+    fused attention/QKV/top-k/router kernels and 47 after; raise the budget only for a change that needs the ops.
     """
     import importlib.util
     from pathlib import Path
@@ -81,8 +81,8 @@ def test_decode_step_launch_budget():
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
-    assert res["compiled"] and res["kernel_launches"] >= 6 * 18  # the custom kernels were on the path
-    assert res["launches_per_layer"] <= 80, res
+    assert res["compiled"] and res["kernel_launches"] >= 6 * 20  # the custom kernels were on the path
+    assert res["launches_per_layer"] <= 50, res
 
 
 def test_kernel_profile_reads_ncu_csv(tmp_path, capsys):

@@ -162,7 +162,7 @@ def test_topk_blocked_rows(monkeypatch):
 def test_route_weights_floor_and_scale():
     cfg = _cfg()
     p = np.array([[3e-7, 1e-6, 2e-7, 5e-7, 1e-7, 4e-7], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]], np.float32)
-    got = np.array(route_weights(mx.array(p), cfg))
+    got = np.array(route_weights(mx.array(p), cfg.expert_weights_scale, cfg.expert_weights_norm))
     want = p / np.maximum(p.sum(-1, keepdims=True), 6.103515625e-5) * 1.5
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert got[0].sum() < 0.1  # the floor, not the sum, divided the tiny row

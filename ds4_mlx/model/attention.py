@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
+from ..kernels.fused import attend_one, kernel_counts, qkv_rows, top_k_rows  # Metal/CUDA kernels; MLX on CPU
 from ..numerics import Numerics, get_numerics, kv_row
 from .compressor import Compressor, CompressorState, index_array
 from .indexer import Indexer, select_top_k, selected_indices
@@ -111,10 +112,10 @@ def make_layer_cache(cfg: ModelConfig, il: int, reserve: int = 0) -> LayerCache:
     return cache
 
 
-@lru_cache(maxsize=1024)
-def _visible(n: int, capacity: int) -> mx.array:
-    """Boolean ``[1, capacity]``: the first ``n`` rows of a capacity buffer (made on the host, once)."""
-    return mx.array(np.arange(capacity)[None, :] < n)
+@lru_cache(maxsize=64)
+def _group_ids(T: int, G: int) -> mx.array:
+    """int32 ``[T, G]``, row ``t = 0..G-1``: made on the host, so a compiled step holds it as a constant."""
+    return mx.array(np.broadcast_to(np.arange(G, dtype=np.int32), (T, G)))
 
 
 class DecodeKey(NamedTuple):
@@ -148,6 +149,37 @@ def _append_rows(
         return buf, n
     buf = _reserve(buf, n, n + rows.shape[0], dtype, floor)
     return mx.slice_update(buf, rows.astype(buf.dtype), mx.array([n]), axes=(0,)), n + rows.shape[0]
+
+
+def attend(
+    q: mx.array, raw: mx.array, raw_mask: np.ndarray | None, comp: mx.array | None, gathered: mx.array | None,
+    comp_mask: mx.array | None, sinks: mx.array, scale: float,
+) -> mx.array:  # fmt: skip
+    """Softmax attention with a per-head sink logit ``sinks [H]`` in the denominator; every key is its own value.
+
+    Keys: ``raw [Mr, D]`` shared by the queries ``q [T, H, D]``, plus either ``comp [Nc, D]`` (shared) or
+    ``gathered [T, k, D]`` (per query); the masks are ``[T, Mr]`` and ``[T, Nc or k]`` (``None`` = all visible).
+    Returns ``o [T, H, D]`` (before the inverse RoPE).
+    """
+    T, H, _ = q.shape
+    s = [(q @ raw.T) * scale]  # [T, H, Mr]
+    masks = [mx.array(raw_mask) if raw_mask is not None else None]
+    if comp is not None:
+        s.append((q @ comp.T) * scale)  # [T, H, Nc]
+    if gathered is not None:
+        s.append((q @ gathered.swapaxes(1, 2)) * scale)  # [T, H, k]
+    masks.append(comp_mask)
+    logits = [mx.broadcast_to(sinks[None, :, None], (T, H, 1))]
+    for part, m in zip(s, masks):
+        logits.append(part if m is None else mx.where(m[:, None, :], part, -mx.inf))
+    p = mx.softmax(mx.concatenate(logits, axis=-1), axis=-1)  # [T, H, 1+Mr+Nc]; the sink carries no value
+    Mr = raw.shape[0]
+    o = p[..., 1 : 1 + Mr] @ raw  # [T, H, D]
+    if comp is not None:
+        o = o + p[..., 1 + Mr :] @ comp
+    if gathered is not None:
+        o = o + p[..., 1 + Mr :] @ gathered  # [T, H, k] @ [T, k, D]
+    return o
 
 
 class Attention:
@@ -229,13 +261,12 @@ class Attention:
 
     def _project(self, x: mx.array, C: mx.array, S: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """``x [T, E]`` -> normed input ``n``, ``qr [T, q_lora]``, RoPE'd ``q [T, H, D]`` and the stored KV row."""
-        T, H, D = x.shape[0], self.n_head, self.head_dim
         n = mx.fast.rms_norm(x, self.attn_norm, self.eps)  # [T, E]
         qr = mx.fast.rms_norm(self.attn_q_a.matmul(n), self.attn_q_a_norm, self.eps)  # [T, q_lora]
-        q = mx.fast.rms_norm(self.attn_q_b.matmul(qr).reshape(T, H, D), None, self.eps)  # [T, H, D]
-        kv = mx.fast.rms_norm(self.attn_kv.matmul(n), self.attn_kv_a_norm, self.eps)  # [T, D]
-        q = apply_rope(q, C[:, None, :], S[:, None, :])
-        kv = kv_row(apply_rope(kv, C, S), self.numerics, self.nope)
+        q, kv = qkv_rows(  # q = rope(headrms(q_b qr)) [T, H, D]; kv = kv_row(rope(rms(attn_kv n))) [T, D]
+            self.attn_q_b.matmul(qr), self.attn_kv.matmul(n), self.attn_kv_a_norm, C, S, self.eps, self.n_head,
+            nope_fp8=self.nope if self.numerics.fp8_kv else 0, f16r=self.numerics.f16_cache,
+        )  # fmt: skip
         return n, qr, q, kv
 
     # --- one-token decode: a pure function of arrays, so a step can be compiled --------------------------
@@ -256,14 +287,15 @@ class Attention:
             io["slot"] = index_array(cache.n_comp)  # where a completed window's row goes
             if complete:
                 cache.comp = _reserve(cache.comp, cache.n_comp, cache.n_comp + 1, self.kv_dtype, cache.reserve_rows)
-            io["visible"] = _visible(n_vis, cache.comp.shape[0])
         if self.indexer is not None:
             io["index"] = self.indexer.compressor.decode_inputs(pos)
             if complete:
                 cache.index = _reserve(cache.index, cache.n_index, cache.n_index + 1, mx.float32, cache.reserve_rows)
             if select:
                 io["Ci"], io["Si"] = self.rope.tables([pos], self.indexer.head_dim)
-                io["index_visible"] = _visible(n_vis, cache.index.shape[0])
+                io["index_counts"] = kernel_counts(n_vis, self.indexer.top_k)
+        # Keys of attend_one: the kept raw rows plus this token's, and the compressed rows attended.
+        io["counts"] = kernel_counts(min(cache.n_raw, self.n_swa - 1) + 1, self.indexer.top_k if select else n_vis)
         return DecodeKey(complete, n_vis > 0, select, cache.n_raw >= self.n_swa - 1), io
 
     def decode(self, x: mx.array, st: dict[str, mx.array], io: dict, key: DecodeKey) -> tuple[mx.array, dict]:
@@ -272,10 +304,14 @@ class Attention:
         first ``n_vis`` rows are visible, so shapes repeat from token to token."""
         W, r = self.n_swa, self.ratio
         n, qr, q, kv = self._project(x, io["C"], io["S"])
+        # The new raw window [keep+1 <= W, D], stored as kv_dtype: kv is f16-exact already (kv_row), so casting
+        # the one new row (not the f32 concat of the window) is the same values in one op less.
         raw = st["raw"]
         keep = min(raw.shape[0], W - 1)
-        keys = mx.concatenate([raw[raw.shape[0] - keep :], kv]) if keep else kv  # [keep+1 <= W, D]
-        st = dict(st, raw=keys.astype(self.kv_dtype))
+        window = kv.astype(self.kv_dtype)
+        if keep:
+            window = mx.concatenate([raw[raw.shape[0] - keep :].astype(self.kv_dtype), window])
+        st = dict(st, raw=window)
         if r:
             row, st["ckv"], st["csc"] = self.compressor.decode(n, st["ckv"], st["csc"], io["comp"], key.complete)
             if row is not None:
@@ -285,17 +321,12 @@ class Attention:
             if row is not None:
                 st["index"] = mx.slice_update(st["index"], row, io["slot"], axes=(0,))
 
-        comp = gathered = mask = None
-        if key.has_comp and key.select:  # attend to the indexer's top-k rows only
-            k = self.indexer.top_k
+        comp = st["comp"] if key.has_comp else None  # [capacity, D]: attend_one reads its first counts[1] rows
+        idx = None
+        if key.select:  # attend to the indexer's top-k rows only
             scores = self.indexer.scores(qr, n, io["Ci"], io["Si"], st["index"])  # [1, capacity]
-            scores = mx.where(io["index_visible"], scores, -mx.inf)  # more than k visible: no -inf is selected
-            idx = selected_indices(select_top_k(scores, np.array([scores.shape[1]]), k), k)  # [1, k]
-            gathered = st["comp"][idx].astype(mx.float32)  # [1, k, D]
-        elif key.has_comp:
-            comp, mask = st["comp"].astype(mx.float32), io["visible"]  # [capacity, D], [1, capacity]
-        o = self._attend(q, keys, None, comp, gathered, mask)
-        o = apply_rope(o, io["C"][:, None, :], io["S"][:, None, :], inverse=True)
+            idx = top_k_rows(scores, io["index_counts"], self.indexer.top_k)  # [1, k] of the first n_vis rows
+        o = attend_one(q, st["raw"], comp, idx, io["counts"], self.attn_sinks, io["C"], io["S"], self.scale)
         return self.attn_output_b.matmul(self._grouped_output_a(o)), st
 
     # --- chunks -------------------------------------------------------------------------------------------
@@ -348,36 +379,7 @@ class Attention:
                 comp_mask = mx.array(np.arange(nmax)[None, :] < n_visible[:, None])
 
         comp = None if comp is None else comp.astype(mx.float32)
-        return self._attend(q, raw, raw_mask, comp, gathered, comp_mask)
-
-    def _attend(
-        self, q: mx.array, raw: mx.array, raw_mask: np.ndarray | None, comp: mx.array | None,
-        gathered: mx.array | None, comp_mask: mx.array | None,
-    ) -> mx.array:  # fmt: skip
-        """Softmax attention with a per-head sink logit in the denominator; every key is its own value.
-
-        Keys: ``raw [Mr, D]`` shared by the queries, plus either ``comp [Nc, D]`` (shared) or ``gathered
-        [T, k, D]`` (per query); the masks are ``[T, Mr]`` and ``[T, Nc or k]`` (``None`` = all visible).
-        """
-        T, H, _ = q.shape
-        s = [(q @ raw.T) * self.scale]  # [T, H, Mr]
-        masks = [mx.array(raw_mask) if raw_mask is not None else None]
-        if comp is not None:
-            s.append((q @ comp.T) * self.scale)  # [T, H, Nc]
-        if gathered is not None:
-            s.append((q @ gathered.swapaxes(1, 2)) * self.scale)  # [T, H, k]
-        masks.append(comp_mask)
-        logits = [mx.broadcast_to(self.attn_sinks[None, :, None], (T, H, 1))]
-        for part, m in zip(s, masks):
-            logits.append(part if m is None else mx.where(m[:, None, :], part, -mx.inf))
-        p = mx.softmax(mx.concatenate(logits, axis=-1), axis=-1)  # [T, H, 1+Mr+Nc]; the sink carries no value
-        Mr = raw.shape[0]
-        o = p[..., 1 : 1 + Mr] @ raw  # [T, H, D]
-        if comp is not None:
-            o = o + p[..., 1 + Mr :] @ comp
-        if gathered is not None:
-            o = o + p[..., 1 + Mr :] @ gathered  # [T, H, k] @ [T, k, D]
-        return o
+        return attend(q, raw, raw_mask, comp, gathered, comp_mask, self.attn_sinks, self.scale)
 
     def _grouped_output_a(self, o: mx.array) -> mx.array:
         """``low [T, G*o_lora]``: group g (heads g*H/G ..) times its own o_lora rows of attn_output_a."""
@@ -386,8 +388,7 @@ class Attention:
         og = o.reshape(T, G, -1)  # [T, G, (H/G)*D]
         # attn_output_a viewed as G "experts" of shape [L, (H/G)*D]; token t's slot g uses expert g, so each
         # row block is read once and multiplied only by its own group (no G x wasted work or weight reads).
-        ids = mx.broadcast_to(mx.arange(G, dtype=mx.int32)[None, :], (T, G))
-        low = self._output_a_grouped().gather_matmul(og, ids)  # [T, G, L]
+        low = self._output_a_grouped().gather_matmul(og, _group_ids(T, G))  # [T, G, L]
         return low.reshape(T, G * L)
 
     def _output_a_grouped(self):

@@ -19,9 +19,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..numerics import Numerics, indexer_query, indexer_row
+from ..kernels.fused import index_query  # Metal/CUDA kernel; rope + numerics.indexer_query on CPU
+from ..numerics import Numerics, indexer_row
 from .compressor import Compressor
-from .rope import Rope, apply_rope
+from .rope import Rope
 
 
 class Indexer:
@@ -39,9 +40,7 @@ class Indexer:
 
     def scores(self, qr: mx.array, n: mx.array, C: mx.array, S: mx.array, keys: mx.array) -> mx.array:
         """``score [T, N]`` of the indexer rows ``keys [N, 128]``; ``C, S [T, 128]`` are the queries' RoPE tables."""
-        T = qr.shape[0]
-        iq = self.wq_b.matmul(qr).reshape(T, self.n_head, self.head_dim)  # [T, H_i, 128]
-        iq = indexer_query(apply_rope(iq, C[:, None, :], S[:, None, :]), self.numerics)
+        iq = index_query(self.wq_b.matmul(qr), C, S, self.n_head, self.numerics.indexer_qat)  # [T, H_i, 128]
         w = self.wproj.matmul(n) * self.scale  # [T, H_i]
         dots = mx.maximum(iq @ keys.T, 0.0)  # [T, H_i, N]
         return (w[:, None, :] @ dots)[:, 0, :]  # [T, N]

@@ -11,8 +11,10 @@ from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..config import ModelConfig
+from ..kernels.fused import moe_route
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
 RANK_MAX_ELEMS = 1 << 25  # largest [T, N, N] comparison block of the top-k selection
@@ -25,11 +27,16 @@ def sqrt_softplus(x: mx.array) -> mx.array:
     return mx.sqrt(sp)
 
 
+@lru_cache(maxsize=None)
+def _iota(n: int) -> mx.array:
+    """``0..n-1`` made on the host: a constant of a compiled step, not an op in every replay."""
+    return mx.array(np.arange(n, dtype=np.int32))
+
+
 @mx.compile
-def _ranks(scores: mx.array) -> mx.array:
-    """Rank of every entry of ``scores [T, N]`` in (score descending, index ascending) order: ``[T, N]``."""
-    N = scores.shape[-1]
-    idx = mx.arange(N)
+def _ranks(scores: mx.array, idx: mx.array) -> mx.array:
+    """Rank of every entry of ``scores [T, N]`` in (score descending, index ascending) order: ``[T, N]``;
+    ``idx`` is ``0..N-1``."""
     this, other = scores[:, :, None], scores[:, None, :]  # [T, N, 1], [T, 1, N]
     beats = (other > this) | ((other == this) & (idx[None, :] < idx[:, None]))  # [T, N, N]: e' ahead of e
     return beats.astype(mx.int32).sum(axis=-1)  # a permutation of 0..N-1 per row
@@ -45,22 +52,32 @@ def topk_lowest_index(scores: mx.array, k: int) -> mx.array:
     """
     T, N = scores.shape
     step = max(1, RANK_MAX_ELEMS // (N * N))  # bound the [T, N, N] comparison tensor in long prefills
-    ranks = [_ranks(scores[i : i + step]) for i in range(0, T, step)]
+    ranks = [_ranks(scores[i : i + step], _iota(N)) for i in range(0, T, step)]
     ranks = ranks[0] if len(ranks) == 1 else mx.concatenate(ranks)
     return mx.argsort(ranks, axis=-1)[:, :k].astype(mx.int32)
 
 
-def route_weights(prob_sel: mx.array, cfg: ModelConfig) -> mx.array:
+def route_weights(prob_sel: mx.array, scale: float, norm: bool) -> mx.array:
     """Route weights from the selected unbiased probabilities ``[T, k]`` (§4.8 step 5)."""
-    if cfg.expert_weights_norm:
+    if norm:
         prob_sel = prob_sel / mx.maximum(prob_sel.sum(axis=-1, keepdims=True), ROUTE_SUM_FLOOR)
-    return prob_sel * cfg.expert_weights_scale
+    return prob_sel * scale
+
+
+def route_top_k(
+    logits: mx.array, bias: mx.array | None, k: int, scale: float, norm: bool
+) -> tuple[mx.array, mx.array]:
+    """Top-k routing of ``logits [T, n_expert]`` -> (expert ids int32 ``[T, k]``, weights ``[T, k]``): the
+    bias shifts the selection only (§4.8). The pure-MLX oracle of the fused ``moe_route`` kernel."""
+    prob = sqrt_softplus(logits)  # [T, n_expert]
+    sel = topk_lowest_index(prob if bias is None else prob + bias, k)  # [T, k]
+    return sel, route_weights(mx.take_along_axis(prob, sel, axis=-1), scale, norm)
 
 
 @mx.compile
-def _swiglu_clamped(g: mx.array, u: mx.array, clamp: mx.array) -> mx.array:
-    g = mx.minimum(g, clamp)
-    u = mx.clip(u, -clamp, clamp)
+def _swiglu_clamped(g: mx.array, u: mx.array, lo: mx.array, hi: mx.array) -> mx.array:
+    g = mx.minimum(g, hi)
+    u = mx.clip(u, lo, hi)
     return g * mx.sigmoid(g) * u
 
 
@@ -72,7 +89,8 @@ def _scalar(v: float) -> mx.array:
 def swiglu(g: mx.array, u: mx.array, clamp: float) -> mx.array:
     """``silu(min(g, c)) * clamp(u, -c, c)`` (ds4 ``swiglu()``, applied to routed and shared experts)."""
     if clamp > 0:
-        return _swiglu_clamped(g, u, _scalar(float(clamp)))
+        # -c is a host constant too: negated inside, it would be one more launch in every compiled step
+        return _swiglu_clamped(g, u, _scalar(-float(clamp)), _scalar(float(clamp)))
     return g * mx.sigmoid(g) * u
 
 
@@ -101,17 +119,14 @@ class MoE:
 
     def route(self, n: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """Router: normed input ``n [T, E]``, token ids ``[T]`` -> (expert ids int32 [T,k], weights [T,k])."""
-        k = self.cfg.n_expert_used
-        prob = sqrt_softplus(self.ffn_gate_inp.matmul(n))  # [T, n_expert]
-        if self.ffn_gate_tid2eid is not None:
-            # Hash layers: fixed experts per token id (Metal clamps the id; bias unused).
-            tok = mx.clip(tokens.astype(mx.int32), 0, self.ffn_gate_tid2eid.shape[0] - 1)
-            sel = self.ffn_gate_tid2eid[tok].astype(mx.int32)  # [T, k]
-        else:
-            score = prob if self.exp_probs_b is None else prob + self.exp_probs_b  # bias: selection only
-            sel = topk_lowest_index(score, k)  # [T, k]
-        w = route_weights(mx.take_along_axis(prob, sel, axis=-1), self.cfg)  # [T, k]
-        return sel, w
+        cfg, logits = self.cfg, self.ffn_gate_inp.matmul(n)  # [T, n_expert]
+        scale, norm = cfg.expert_weights_scale, cfg.expert_weights_norm
+        if self.ffn_gate_tid2eid is None:  # fused kernel on the GPU, route_top_k otherwise
+            return moe_route(logits, self.exp_probs_b, cfg.n_expert_used, scale, norm)
+        # Hash layers: fixed experts per token id (Metal clamps the id; bias unused).
+        tok = mx.clip(tokens.astype(mx.int32), 0, self.ffn_gate_tid2eid.shape[0] - 1)
+        sel = self.ffn_gate_tid2eid[tok].astype(mx.int32)  # [T, k]
+        return sel, route_weights(mx.take_along_axis(sqrt_softplus(logits), sel, axis=-1), scale, norm)
 
     def routed(self, n: mx.array, sel: mx.array, w: mx.array) -> mx.array:
         """Routed experts: ``sum_i W_down[e_i] (swiglu(W_gate[e_i] n, W_up[e_i] n) * w_i)`` -> [T, E]."""
