@@ -271,16 +271,22 @@ def run_bench(
     reserve = ctx_points[-1] + gen_tokens
     warmup_s = 0.0
     if warmup:
-        # The first calls JIT-compile every kernel (NVRTC on CUDA, Metal library builds): not a speed. Go past
-        # 4 x indexer_top_k tokens so the indexer's selection path (prefill and decode) is compiled too: without
-        # it the H200 run's first gen row (2048) and second prefill row (4096) paid the compile (2.3 / 259 t/s).
+        # The first calls JIT-compile every kernel (NVRTC on CUDA, Metal library builds) and trace the compiled
+        # decode steps: not a speed. Decode 4 tokens (a ratio-4 window completes) just below 4 x indexer_top_k
+        # tokens and again past it, so the steps with and without the indexer's selection are all traced and the
+        # selection's prefill path is compiled too: without it the H200 run's first gen row (2048) and second
+        # prefill row (4096) paid the compile (2.3 / 259 t/s), and with the first mark only, the 2048 row still
+        # paid the tracing of the steps without selection (16.9 against 24.1 t/s at 4096).
         t0 = time.perf_counter()
         ws = Session(model, chunk_size=chunk, reserve=reserve)
-        ws.prefill(tokens[: min(ctx_points[-1], 4 * model.cfg.indexer_top_k + chunk)])
-        tok = _greedy_no_eos(ws.logits, eos_mask)
-        for _ in range(4):  # a ratio-4 window completes: both kinds of compiled decode step are traced
-            tok = _greedy_no_eos(ws.step(tok), eos_mask)
-        mx.eval(tok)
+        k4 = 4 * model.cfg.indexer_top_k
+        for mark in sorted({min(ctx_points[-1], max(1, k4 - 8)), min(ctx_points[-1], k4 + chunk)}):
+            if mark > ws.pos:
+                ws.prefill(tokens[ws.pos : mark])
+            tok = _greedy_no_eos(ws.logits, eos_mask)
+            for _ in range(4):
+                tok = _greedy_no_eos(ws.step(tok), eos_mask)
+            mx.eval(tok)
         del ws
         mx.clear_cache()
         warmup_s = time.perf_counter() - t0
