@@ -5,7 +5,7 @@
 Each row builds a chain of ``--reps`` dependent ops of one kind (each op reads the previous op's output),
 then evaluates it once. Reported per op: the Python/graph building time and the evaluation time (what the
 device queue costs: encoding + launch + the kernel). A decode step is such a chain of ~3500 ops, so these
-numbers say which ops dominate it. Rows: an elementwise multiply, ``mx.fast.rms_norm``, a trivial custom
+numbers say which ops dominate it. Rows: an elementwise multiply (alone, and with three reshapes: what a view costs), ``mx.fast.rms_norm``, a trivial custom
 kernel (a copy), the quant matvec kernel on a 4096x4096 Q8_0 weight (L2-resident: launch cost, not
 bandwidth), attention-sized matmuls, ``mx.topk`` / ``mx.argpartition`` over 2048 scores, a gather.
 Each row's name ends with its ops per chain step.
@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -78,6 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = {  # name (ops per chain step) -> (step, input)
         "elementwise multiply [4096] (1)": (lambda x: x * 1.0001, v),
+        "elementwise multiply + 3 reshapes (1 + 3 views)": (
+            lambda x: (x * 1.0001).reshape(64, 64).reshape(4096).reshape(1, E), v),
         "rms_norm [4096] (1)": (lambda x: mx.fast.rms_norm(x, w, 1e-6), v),
         "2 matmuls [64,512]x[512,128]x[128,512] + scale (3)": (lambda x: ((x @ keys.T) @ keys) * 1e-3, q),
         "softmax [64, 129] + add (2)": (lambda x: mx.softmax(x, axis=-1) + x, mx.random.normal((64, 129))),
