@@ -200,7 +200,7 @@ def _params(*vals: int) -> mx.array:
 
 def _pad_ids(ids: mx.array, backend: str) -> mx.array:
     """Metal turns inputs of < 8 elements into `constant` pointers: give index inputs ≥ 8 there."""
-    ids = ids.reshape(-1)
+    ids = ids.reshape(ids.size)  # explicit: reshape(-1) adds a graph node even when nothing changes
     if ids.dtype != mx.int32:
         ids = ids.astype(mx.int32)
     if backend != "metal" or ids.size >= 8:
@@ -377,7 +377,7 @@ def matmul(qw, x: mx.array, backend: str) -> mx.array:
     """``x @ W.T`` on the GPU backends: x [..., in] → float32 [..., out]."""
     lead = x.shape[:-1]
     n_in = qw.shape[-1]
-    x2 = x.reshape(-1, n_in)
+    x2 = x.reshape(x.size // n_in, n_in)  # explicit shape: a no-op (no graph node) when x is already 2-D
     if x2.dtype != mx.float32:
         x2 = x2.astype(mx.float32)
     N = x2.shape[0]
@@ -403,10 +403,10 @@ def gather_matmul(qw, x: mx.array, ids: mx.array, backend: str) -> mx.array:
         return mx.zeros((N, k, n_out), dtype=mx.float32)
     if not supports(qw):
         return qw._fallback_gather_matmul(x, ids)
-    x2 = x.reshape(-1, n_in)  # [N, in] shared or [N·k, in] per slot
+    x2 = x.reshape(x.size // n_in, n_in)  # [N, in] shared or [N·k, in] per slot
     if x2.dtype != mx.float32:
         x2 = x2.astype(mx.float32)
-    flat = ids.reshape(-1)
+    flat = ids.reshape(N * k)
     if N <= MV_MAX_TOKENS:
         y = mv(qw, x2, backend, ids=flat, k_slots=k)
     else:

@@ -174,7 +174,8 @@ def render_cuda_unit(insts: list[tuple[str, tuple]]) -> str:
     parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cooperative_groups.h>\n"]
     for i, (kind, template) in enumerate(insts):
         spec = SPECS[kind]
-        params = ", ".join([f"const {CUDA_TYPES.get(t, t)}* {n}" for n, t in spec.inputs] + [f"{spec.out_type(i)}* {o}" for i, o in enumerate(spec.outputs)])
+        ins = [f"const {CUDA_TYPES.get(t, t)}* {n}" for n, t in spec.inputs]
+        params = ", ".join(ins + [f"{spec.out_type(j)}* {o}" for j, o in enumerate(spec.outputs)])
         consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template)
         parts.append(
             f"namespace ds_fu{i} {{\n{render_fused_header('cuda')}\n"
@@ -265,13 +266,13 @@ def hc_pre(
         tpb = HC_PRE_TPB_PREFILL if T >= HC_PRE_TPB_MIN_T and not split else 1
     if tpb not in HC_PRE_TPB_CHOICES or (split and tpb != 1):
         raise ValueError(f"hc_pre: tpb must be one of {HC_PRE_TPB_CHOICES} (1 with split), got {tpb}")
-    S2 = S.reshape(T, n_hc * E)
+    # The kernels index S [T, n_hc*E] and comb [T, n_hc*n_hc] flat: no reshapes (each would be a graph node).
     part, G = _f32(0.0), 0
     if split:
         G = -(-(n_hc * E // 2) // HC_MIX_THREADS)
         params = _i32(E, T, G)
         part = get_fused_kernel("hc_mix", b)(
-            inputs=[S2, fnw, params],
+            inputs=[S, fnw, params],
             template=[("NHC", n_hc)],
             grid=(G * HC_MIX_THREADS, T, 1),
             threadgroup=(HC_MIX_THREADS, 1, 1),
@@ -279,14 +280,14 @@ def hc_pre(
             output_dtypes=[mx.float32],
         )[0]
     x, post, comb = get_fused_kernel("hc_pre", b)(
-        inputs=[S2, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _i32(E, T, G), part],
+        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _i32(E, T, G), part],
         template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split))],
         grid=(-(-T // tpb) * HC_PRE_THREADS, 1, 1),
         threadgroup=(HC_PRE_THREADS, 1, 1),
-        output_shapes=[(T, E), (T, n_hc), (T, n_hc * n_hc)],
+        output_shapes=[(T, E), (T, n_hc), (T, n_hc, n_hc)],
         output_dtypes=[mx.float32] * 3,
     )
-    return x, post, comb.reshape(T, n_hc, n_hc)
+    return x, post, comb
 
 
 # --- HC post ----------------------------------------------------------------------------------------------
@@ -308,7 +309,7 @@ def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array, *, backend
     if b == "fallback" or tg is None or T == 0:
         return hyper.hc_post(S, y, post, comb)
     return get_fused_kernel("hc_post", b)(
-        inputs=[S, y, post, comb.reshape(T, n * n), _i32(E, T)],
+        inputs=[S, y, post, comb, _i32(E, T)],  # comb [T, n, n] read flat
         template=[("NHC", n)],
         grid=(E, T, 1),
         threadgroup=(tg, 1, 1),
@@ -421,8 +422,7 @@ def attend_one(
     if comp is not None and (comp.ndim != 2 or comp.shape[1] != D or comp.dtype != raw.dtype):
         raise ValueError(f"attend_one: comp must be [cap, {D}] {raw.dtype}, got {tuple(comp.shape)} {comp.dtype}")
     if idx is not None and (comp is None or idx.ndim != 2 or idx.shape[0] != 1 or idx.dtype not in (mx.int32, mx.uint32)):
-        got = None if idx is None else (tuple(idx.shape), idx.dtype)
-        raise ValueError(f"attend_one: idx must be [1, k] int32/uint32 rows of comp, got {got}")
+        raise ValueError(f"attend_one: idx must be [1, k] int32/uint32 rows of comp, got {(idx.shape, idx.dtype)}")
     if counts.shape != (8,) or counts.dtype != mx.int32:
         raise ValueError(f"attend_one: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
     if b == "fallback" or D % 32 or D > ATTN_MAX_HD:
@@ -437,7 +437,8 @@ def attend_one(
     return get_fused_kernel("attn_one", b)(
         inputs=[q, raw, raw if comp is None else comp, _i32(0) if idx is None else idx, sinks, C, S, counts,
                 _f32(float(scale))],
-        template=[("HD", D), ("NSG", ATTN_NSG), ("USE_IDX", int(idx is not None)), ("KV16", int(raw.dtype == mx.float16))],
+        template=[("HD", D), ("NSG", ATTN_NSG), ("USE_IDX", int(idx is not None)),
+                  ("KV16", int(raw.dtype == mx.float16))],
         grid=(H * ATTN_NSG * 32, 1, 1),
         threadgroup=(ATTN_NSG * 32, 1, 1),
         output_shapes=[(1, H, D)],

@@ -575,8 +575,9 @@ def test_moe_route_validation():
 
 
 @needs_gpu
-@pytest.mark.parametrize("T,NE,k,norm,ties", [(1, 256, 6, True, False), (1, 256, 6, True, True), (7, 16, 6, False, False),
-                                              (3, 16, 6, True, True), (65, 256, 6, True, False), (2, 40, 8, True, False)])
+@pytest.mark.parametrize("T,NE,k,norm,ties", [(1, 256, 6, True, False), (1, 256, 6, True, True),
+                                              (7, 16, 6, False, False), (3, 16, 6, True, True),
+                                              (65, 256, 6, True, False), (2, 40, 8, True, False)])
 def test_moe_route_kernel(T, NE, k, norm, ties):
     from ds4_mlx.model.moe import route_top_k
 
