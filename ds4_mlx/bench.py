@@ -275,7 +275,7 @@ def run_bench(
         # decode steps: not a speed. Decode 4 tokens (a ratio-4 window completes) just below 4 x indexer_top_k
         # tokens and again past it, so the steps with and without the indexer's selection are all traced and the
         # selection's prefill path is compiled too: without it the H200 run's first gen row (2048) and second
-        # prefill row (4096) paid the compile (2.3 / 259 t/s), and with the first mark only, the 2048 row still
+        # prefill row (4096) paid the compile (2.3 / 259 t/s), and with only the mark past it, the 2048 row still
         # paid the tracing of the steps without selection (16.9 against 24.1 t/s at 4096).
         t0 = time.perf_counter()
         ws = Session(model, chunk_size=chunk, reserve=reserve)
