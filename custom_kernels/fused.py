@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from . import CUDA_PROLOGUE, METAL_PROLOGUE, SOURCE_DIR, render_header
+from . import CUDA_PROLOGUE, METAL_PROLOGUE, SOURCE_DIR, _params, render_header
 
 #: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E).
 HC_PRE_THREADS = 256
@@ -201,12 +201,6 @@ def _pick(b: str | None) -> str:
 
 
 @lru_cache(maxsize=256)
-def _i32(*vals: int) -> mx.array:
-    a = mx.array(list(vals) + [0] * (8 - len(vals)), dtype=mx.int32)
-    return a  # built from host data: already materialized (and safe to create inside a compile trace)
-
-
-@lru_cache(maxsize=256)
 def _f32(*vals: float) -> mx.array:
     a = mx.array(list(vals) + [0.0] * (8 - len(vals)), dtype=mx.float32)
     return a  # built from host data: already materialized (and safe to create inside a compile trace)
@@ -270,7 +264,7 @@ def hc_pre(
     part, G = _f32(0.0), 0
     if split:
         G = -(-(n_hc * E // 2) // HC_MIX_THREADS)
-        params = _i32(E, T, G)
+        params = _params(E, T, G)
         part = get_fused_kernel("hc_mix", b)(
             inputs=[S, fnw, params],
             template=[("NHC", n_hc)],
@@ -280,7 +274,7 @@ def hc_pre(
             output_dtypes=[mx.float32],
         )[0]
     x, post, comb = get_fused_kernel("hc_pre", b)(
-        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _i32(E, T, G), part],
+        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G), part],
         template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split))],
         grid=(-(-T // tpb) * HC_PRE_THREADS, 1, 1),
         threadgroup=(HC_PRE_THREADS, 1, 1),
@@ -309,7 +303,7 @@ def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array, *, backend
     if b == "fallback" or tg is None or T == 0:
         return hyper.hc_post(S, y, post, comb)
     return get_fused_kernel("hc_post", b)(
-        inputs=[S, y, post, comb, _i32(E, T)],  # comb [T, n, n] read flat
+        inputs=[S, y, post, comb, _params(E, T)],  # comb [T, n, n] read flat
         template=[("NHC", n)],
         grid=(E, T, 1),
         threadgroup=(tg, 1, 1),
@@ -382,7 +376,7 @@ def compressor_pool(
 def kernel_counts(a: int, b: int) -> mx.array:
     """The ``counts`` input of :func:`attend_one` and :func:`top_k_rows`: int32 ``[8] = (a, b, 0, ...)``, made
     on the host and cached, so a compiled step takes it as an input instead of baking the numbers into its trace."""
-    return _i32(a, b)
+    return _params(a, b)
 
 
 def attend_one(
@@ -435,7 +429,7 @@ def attend_one(
         return apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
     # The kernel indexes flat buffers: inputs go in as they are shaped (a reshape would be one more graph node).
     return get_fused_kernel("attn_one", b)(
-        inputs=[q, raw, raw if comp is None else comp, _i32(0) if idx is None else idx, sinks, C, S, counts,
+        inputs=[q, raw, raw if comp is None else comp, _params(0) if idx is None else idx, sinks, C, S, counts,
                 _f32(float(scale))],
         template=[("HD", D), ("NSG", ATTN_NSG), ("USE_IDX", int(idx is not None)),
                   ("KV16", int(raw.dtype == mx.float16))],
