@@ -63,7 +63,7 @@ def bench(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write a JSON summary here ('-' = stdout)."),
     seed: int = typer.Option(0, help="Seed of the random weights and of the generated token sequence."),
     numerics: str = typer.Option("ds4", help="Numeric profile: ds4 or hf."),
-    no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (a throwaway session through 4 x indexer top-k + one chunk tokens and 4 decode steps, so kernel compilation and the decode-step traces are not timed)."),
+    no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (a throwaway session that decodes 4 steps just below 4 x indexer top-k tokens and 4 more after one chunk past it, so kernel compilation and the decode-step traces are not timed)."),
 ) -> None:
     """Measure prefill and decode speed at each context frontier, ds4-bench's way (SERVING.md §7)."""
     if ctx.invoked_subcommand is not None:

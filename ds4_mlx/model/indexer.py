@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import index_query  # Metal/CUDA kernel; rope + numerics.indexer_query on CPU
+from ..kernels.fused import index_query  # Metal/CUDA kernel; rope + numerics.indexer_qat on CPU
 from ..numerics import Numerics, indexer_row
 from .compressor import Compressor
 from .rope import Rope
