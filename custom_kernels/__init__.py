@@ -1,8 +1,9 @@
 """ds4-mlx custom kernels (installed as ``ds4_mlx.kernels``): write-once bodies for Metal and CUDA.
 
-Each kernel is one ``*.body`` file plus the shared ``ds_prelude.h`` (QUANTS.md §3.4). This module renders
-them for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, builds each kernel once per backend, validates
-inputs and picks grid and threadgroup. :class:`ds4_mlx.weights.QuantWeight` calls :func:`matmul` and
+Each kernel is one ``*.body`` file plus the shared ``ds_prelude.h`` macro layer and, for the quant kernels,
+``ds_quant.h`` and the kernel's own ``<kind>.h`` (QUANTS.md §3.4). This module renders them (comments and indentation stripped, see
+:func:`minify`) for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, builds each kernel once per backend,
+validates inputs and picks grid and threadgroup. :class:`ds4_mlx.weights.QuantWeight` calls :func:`matmul` and
 :func:`gather_matmul` here when the backend is ``metal`` or ``cuda``.
 
 Kernels:
@@ -91,26 +92,75 @@ def iq2_grid_words() -> str:
     return ", ".join(f"0x{int(w):08x}u" for w in words)
 
 
+def minify(text: str) -> str:
+    """Kernel text without comments, indentation, runs of blanks and empty lines; tokens, string literals and
+    line structure (preprocessor lines, ``\\`` continuations) are kept.
+
+    MLX keys its compiled-module cache by a hash of the kernel's whole generated source and computes it at
+    every launch (Metal and CUDA alike), so each byte of source costs host time in every decode step: on the
+    H200 the hashing was a quarter of MLX's encode time (benchmarks/RESULTS.md).
+    """
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"'":  # a string or char literal, copied as is
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i : j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            i = text.find("\n", i)
+            i = n if i < 0 else i
+        elif c in " \t" or text.startswith("/*", i):  # a block comment separates tokens like a blank
+            if c != " " and c != "\t":
+                j = text.find("*/", i + 2)
+                i = n if j < 0 else j + 1
+            if out and out[-1][-1:] not in (" ", "\n"):
+                out.append(" ")
+            i += 1
+        elif c == "\n":
+            if out and out[-1] == " ":
+                out.pop()  # trailing blank
+            if out and out[-1][-1:] != "\n":
+                out.append("\n")  # empty lines vanish
+            i += 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out).lstrip()
+
+
+@lru_cache(maxsize=None)
 def _read(name: str) -> str:
-    return (SOURCE_DIR / name).read_text()
+    return minify((SOURCE_DIR / name).read_text())
 
 
-def render_header(backend: str) -> str:
-    """The kernel ``header``: backend define, IQ2 grid, then ds_prelude.h."""
+def render_prelude(backend: str) -> str:
+    """Backend define plus the macro layer (ds_prelude.h): all that the fused kernels build on."""
     define = {"metal": "#define DS_METAL\n", "cuda": "#define DS_CUDA\n"}[backend]
-    return f"{define}#define DS_IQ2_GRID_WORDS {iq2_grid_words()}\n{_read('ds_prelude.h')}"
+    return define + _read("ds_prelude.h")
+
+
+def render_header(kind: str, backend: str, iq2_grid: bool = True) -> str:
+    """Quant kernel ``kind``'s ``header``: the prelude, the IQ2 grid (a zero placeholder where no IQ2_XXS
+    weight is read, see ds_quant.h), ds_quant.h, then the kernel's own helpers (``<kind>.h``)."""
+    words = iq2_grid_words() if iq2_grid else "0u"
+    return f"{render_prelude(backend)}#define DS_IQ2_GRID_WORDS {words}\n{_read('ds_quant.h')}{_read(f'{kind}.h')}"
 
 
 def render_source(kind: str, backend: str) -> str:
     """The kernel ``source``: backend prologue (names the thread attributes) plus the shared body."""
     prologue = {"metal": METAL_PROLOGUE, "cuda": CUDA_PROLOGUE}[backend]
-    return prologue + _read(f"{kind}.body")
+    return minify(prologue) + _read(f"{kind}.body")
 
 
 @lru_cache(maxsize=None)
-def get_kernel(kind: str, backend: str):
-    """Build kernel ``kind`` for ``backend`` once (MLX caches each template specialization)."""
-    header, source = render_header(backend), render_source(kind, backend)
+def get_kernel(kind: str, backend: str, iq2_grid: bool = True):
+    """Build kernel ``kind`` for ``backend`` once (MLX caches each template specialization); ``iq2_grid``: the
+    launches read IQ2_XXS weights."""
+    header, source = render_header(kind, backend, iq2_grid), render_source(kind, backend)
     if backend == "metal":
         return mx.fast.metal_kernel(
             name=f"ds_{kind}", input_names=INPUTS[kind], output_names=["y"], source=source, header=header
@@ -132,6 +182,10 @@ class Instantiation:
     @property
     def tag(self) -> str:
         return f"{self.kind}_" + "_".join(f"{k}{int(v)}" for k, v in self.template)
+
+    @property
+    def iq2_grid(self) -> bool:
+        return dict(self.template)["QT"] == QT.IQ2_XXS
 
 
 def mv_config(qtype: QT, n_out: int, n_pairs: int) -> tuple[int, int, int]:
@@ -179,7 +233,7 @@ def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
             for k, v in inst.template
         )
         parts.append(
-            f"namespace ds_tu{i} {{\n{render_header('cuda')}\n"
+            f"namespace ds_tu{i} {{\n{render_header(inst.kind, 'cuda', inst.iq2_grid)}\n"
             f"namespace mlx {{ namespace core {{ namespace cu {{ namespace cg = cooperative_groups;\n"
             f"__global__ void custom_kernel_ds_{inst.tag}({params}) {{\n{consts}{render_source(inst.kind, 'cuda')}\n}}\n"
             f"}}}}}}\n}}\n"
@@ -248,7 +302,7 @@ def mv(
     if plan is None:
         plan = qw._cache[key] = _mv_plan(qw, backend, P, x2.shape[0], k_slots, gather, config)
     wb, params, template, grid, threadgroup, out_shape = plan
-    return get_kernel("mv", backend)(
+    return get_kernel("mv", backend, qw.qtype == QT.IQ2_XXS)(
         inputs=[wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params],
         template=template,
         grid=grid,
@@ -279,7 +333,7 @@ def mm_dense(qw, x2: mx.array, backend: str, bn: int = MM_BN_DENSE, init=None) -
     wb = weight_bytes(qw)
     N = x2.shape[0]
     params = _params(n_in, n_out, wb.shape[-1], 1, 0, N)
-    return get_kernel("mm", backend)(
+    return get_kernel("mm", backend, qw.qtype == QT.IQ2_XXS)(
         inputs=[wb, x2, _dummy(), _dummy(), params],
         template=list(mm_template(qw.qtype, bn, False)),
         grid=(-(-N // bn) * 128, -(-n_out // 64), 1),
@@ -324,7 +378,7 @@ def mm_gather(
     order, tiles = route_tiles(flat, E, bn)
     per_slot = int(x2.shape[0] == P and k_slots > 1)
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P)
-    return get_kernel("mm", backend)(
+    return get_kernel("mm", backend, qw.qtype == QT.IQ2_XXS)(
         inputs=[wb, x2, _pad_ids(order, backend), tiles.reshape(-1), params],
         template=list(mm_template(qw.qtype, bn, True)),
         grid=(tiles.shape[0] * 128, -(-n_out // 64), 1),

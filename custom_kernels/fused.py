@@ -1,8 +1,8 @@
 """Fused kernels of the model graph (``ds4_mlx.kernels.fused``): hyper-connections, the KV compressor, and the
 decode step's attention, Q/KV rows, router and indexer.
 
-Write-once bodies next to the quant kernels, rendered with the same header and prologues
-(:func:`ds4_mlx.kernels.render_header`, ``METAL_PROLOGUE`` / ``CUDA_PROLOGUE``) plus ``fused.h``:
+Write-once bodies next to the quant kernels, rendered with the same macro layer and prologues
+(:func:`ds4_mlx.kernels.render_prelude`, ``METAL_PROLOGUE`` / ``CUDA_PROLOGUE``) plus ``fused.h``:
 
 - ``hc_pre.body``: HC pre (MODEL.md §4.3) in one launch, one threadgroup per token (prefill); for decode-sized
   T, ``hc_mix.body`` first spreads the mixing matvec over many threadgroups and hc_pre sums its partials.
@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from . import CUDA_PROLOGUE, METAL_PROLOGUE, SOURCE_DIR, _params, render_header
+from . import CUDA_PROLOGUE, METAL_PROLOGUE, _params, _read, minify, render_prelude
 
 #: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E).
 HC_PRE_THREADS = 256
@@ -113,14 +113,14 @@ SPECS = {
 
 
 def render_fused_header(backend: str) -> str:
-    """The quant kernels' header (backend define + ds_prelude.h) followed by ``fused.h``."""
-    return render_header(backend) + "\n" + (SOURCE_DIR / "fused.h").read_text()
+    """The macro layer (backend define + ds_prelude.h) followed by ``fused.h``; no block decoding."""
+    return render_prelude(backend) + _read("fused.h")
 
 
 def render_fused_source(kind: str, backend: str) -> str:
     """Backend prologue (names the thread attributes) plus the shared body."""
     prologue = {"metal": METAL_PROLOGUE, "cuda": CUDA_PROLOGUE}[backend]
-    return prologue + (SOURCE_DIR / f"{kind}.body").read_text()
+    return minify(prologue) + _read(f"{kind}.body")
 
 
 @lru_cache(maxsize=None)

@@ -6,6 +6,8 @@
 All instantiations go into one translation unit per backend to keep the checks fast.
 """
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ def arrays(kind):
     return [common[n] for n in k.INPUTS[kind]]
 d = tempfile.mkdtemp()
 for i, inst in enumerate(k.instantiations()):
-    kern = k.get_kernel(inst.kind, "metal")
+    kern = k.get_kernel(inst.kind, "metal", inst.iq2_grid)
     def f(*a):
         return kern(inputs=list(a), template=list(inst.template), grid=(128, 1, 1), threadgroup=(128, 1, 1),
                     output_shapes=[(8,)], output_dtypes=[mx.float32], verbose=True)[0]
@@ -54,7 +56,7 @@ def test_metal_instantiations_typecheck(tmp_path):
 
 def test_metal_shim_catches_errors(tmp_path):
     """The g++ check is not vacuous: a body error (unknown identifier) fails it."""
-    src = kernels.render_header("metal") + "\ntemplate <int QT> [[kernel]] void k(const device uint8_t* w, device float* y) {\n"
+    src = kernels.render_header("mv", "metal") + "\ntemplate <int QT> [[kernel]] void k(const device uint8_t* w, device float* y) {\n"
     src += "y[0] = ds_dot32(QT, w, 0u, nullptr, no_such_variable);\n}\n"
     r = gxx_metal_check([src], tmp_path, "bad")
     assert r.returncode != 0 and "no_such_variable" in r.stderr
@@ -85,9 +87,10 @@ def test_rendered_sources_share_one_body():
     """Metal and CUDA sources differ only in the prologue and the backend define."""
     for kind in kernels.INPUTS:
         m, c = kernels.render_source(kind, "metal"), kernels.render_source(kind, "cuda")
-        assert m[len(kernels.METAL_PROLOGUE):] == c[len(kernels.CUDA_PROLOGUE):]
-    hm, hc = kernels.render_header("metal"), kernels.render_header("cuda")
-    assert hm.replace("DS_METAL", "DS_CUDA", 1) == hc
+        assert m[len(kernels.minify(kernels.METAL_PROLOGUE)):] == c[len(kernels.minify(kernels.CUDA_PROLOGUE)):]
+        for grid in (True, False):
+            hm, hc = kernels.render_header(kind, "metal", grid), kernels.render_header(kind, "cuda", grid)
+            assert hm.replace("DS_METAL", "DS_CUDA", 1) == hc
     assert kernels.iq2_grid_words().count("0x") == 512
 
 
@@ -124,3 +127,60 @@ def test_mv_launch_plan():
     assert np.array(params).tolist()[3:6] == [6, 0, 6]
     _, _, template, grid, _, _ = kernels._mv_plan(e, "cuda", 6, 1, 6, True, (nr, nsg, 1))  # forced unsplit
     assert dict(template)["KS"] == 1 and grid == (-(-64 // (nr * nsg)) * 32 * nsg, 1, 6)
+
+
+# --- source size: MLX hashes each custom kernel's whole source at every launch ---------------------------
+
+
+def test_minify_drops_comments_and_blanks_only():
+    src = (
+        "// file comment\n"
+        "#define A(x) \\\n"
+        "    ((x) + 1)   // trailing\n"
+        "\n"
+        "  /* block */ int f() {   return A(2); }\n"
+        'const char* s = "a // b  /* c */";  char q = \'"\';\n'
+        "asm volatile(\"cp.async.commit_group;\\n\" ::);\n"
+    )
+    assert kernels.minify(src) == (
+        "#define A(x) \\\n"
+        "((x) + 1)\n"
+        "int f() { return A(2); }\n"
+        'const char* s = "a // b  /* c */"; char q = \'"\';\n'
+        "asm volatile(\"cp.async.commit_group;\\n\" ::);\n"
+    )
+
+
+def _tokens(text: str, tmp_path: Path) -> str:
+    """The text's tokens as g++ sees them without expanding anything (comments dropped, directives kept)."""
+    f = tmp_path / "t.h"
+    f.write_text(text)
+    r = subprocess.run(["g++", "-x", "c++", "-fpreprocessed", "-dD", "-E", "-P", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return " ".join(r.stdout.replace("\\\n", " ").split())
+
+
+def test_minified_kernel_files_keep_every_token(tmp_path):
+    """g++'s own comment stripping of each kernel file and of its minified text yield the same tokens."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not found")
+    files = sorted(p for p in kernels.SOURCE_DIR.iterdir() if p.suffix in (".h", ".body") and p.name != "metal_shim.h")
+    assert len(files) >= 15
+    for p in files:
+        raw = p.read_text()
+        small = kernels._read(p.name)
+        assert len(small) < len(raw), p.name
+        assert _tokens(small, tmp_path) == _tokens(raw, tmp_path), p.name
+
+
+def test_kernel_sources_stay_small():
+    """Every launched kernel's source (header + body, as MLX hashes it at each launch) stays within a budget:
+    the IQ2 grid only where IQ2_XXS weights are read, block decoding only in the quant kernels."""
+    for inst in kernels.instantiations():
+        size = len(kernels.render_header(inst.kind, "cuda", inst.iq2_grid)) + len(kernels.render_source(inst.kind, "cuda"))
+        assert size <= (20_000 if inst.iq2_grid else 13_000), (inst.tag, size)
+    assert "0x" not in kernels.render_header("mv", "cuda", False).split("DS_IQ2_GRID_WORDS", 1)[1].split("\n", 1)[0]
+    for kind in kernels.fused.SPECS:
+        size = len(kernels.fused.render_fused_header("cuda")) + len(kernels.fused.render_fused_source(kind, "cuda"))
+        assert size <= 9_500, (kind, size)
+        assert "ds_dot32" not in kernels.fused.render_fused_header("cuda")

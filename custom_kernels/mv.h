@@ -1,0 +1,111 @@
+// mv.h: helpers of the decode matvec (mv.body), after ds_quant.h in its `header`.
+
+// Bytes of `units` consecutive 32-weight units starting at a block boundary (units % 8 == 0 for K/IQ types).
+DS_FN uint32_t ds_span_bytes(int qt, uint32_t units) {
+  return qt == DS_Q8_0 ? 34u * units : qt == DS_Q2_K ? 84u * (units >> 3) : qt == DS_Q4_K ? 144u * (units >> 3)
+       : qt == DS_IQ2_XXS ? 66u * (units >> 3) : qt == DS_F32 ? 128u * units : 64u * units;
+}
+
+// Stage `nrows` rows × `nbytes` bytes of a span (row r at w + off + r·rb) into dst + r·pitch, lane-strided:
+// 8-byte async copies where the row's bytes are 8-byte aligned, 2-byte stores otherwise (blocks are 2-byte
+// aligned). The caller commits, waits and synchronizes the simdgroup before reading dst.
+DS_FN void ds_stage_span(DS_TG uint8_t* dst, uint32_t pitch, const DS_DEV uint8_t* w, uint64_t off, uint32_t rb,
+                         uint32_t nrows, uint32_t nbytes, uint32_t lane) {
+  for (uint32_t r = 0; r < nrows; ++r) {
+    const uint64_t o = off + (uint64_t)r * rb;
+    const DS_DEV uint8_t* src = w + o;
+    DS_TG uint8_t* d = dst + r * pitch;
+    uint32_t done = 0;
+    if ((o & 7) == 0) {
+      const uint32_t nw = nbytes >> 3;
+      for (uint32_t i = lane; i < nw; i += 32) DS_ASYNC_COPY8(d + 8 * i, src + 8 * i);
+      done = nw << 3;
+    }
+    for (uint32_t i = (done >> 1) + lane; i < (nbytes >> 1); i += 32)
+      ((DS_TG uint16_t*)d)[i] = ((const DS_DEV uint16_t*)src)[i];
+  }
+}
+
+// Dot of unit u of `row` (bytes staged in threadgroup memory; `grid` = the IQ2 grid there) with x[0..31] in registers; xs[0..1] = Σx over the unit's halves (for the K-quant
+// min terms, shared by all rows).
+DS_FN float ds_dot32(int qt, const DS_TG uint8_t* row, uint32_t u, const DS_THR float* x, const DS_THR float* xs,
+                     const DS_TG uint32_t* grid) {
+  if (qt == DS_Q8_0) {
+    const DS_TG uint8_t* b = row + 34u * u;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      uint32_t q = ds_tld16(b + 2 + 2 * i);
+      s = DS_FMA(ds_s8f(q & 255u), x[2 * i], s);
+      s = DS_FMA(ds_s8f(q >> 8), x[2 * i + 1], s);
+    }
+    return ds_tf16(b) * s;
+  } else if (qt == DS_Q2_K) {
+    const DS_TG uint8_t* b = row + 84u * (u >> 3);
+    const uint32_t r = u & 7u, h = r >> 2, sh = 2u * (r & 3u);
+    const DS_TG uint8_t* q = b + 16 + 32 * h;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t w0 = ds_tld32(q + 4 * i) >> sh, w1 = ds_tld32(q + 16 + 4 * i) >> sh;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        s0 = DS_FMA(ds_u2f((w0 >> (8 * j)) & 3u), x[4 * i + j], s0);
+        s1 = DS_FMA(ds_u2f((w1 >> (8 * j)) & 3u), x[16 + 4 * i + j], s1);
+      }
+    }
+    const uint32_t sc0 = b[2 * r], sc1 = b[2 * r + 1];
+    const float d = ds_tf16(b + 80), dmin = ds_tf16(b + 82);
+    return d * (float(sc0 & 15u) * s0 + float(sc1 & 15u) * s1) - dmin * (float(sc0 >> 4) * xs[0] + float(sc1 >> 4) * xs[1]);
+  } else if (qt == DS_Q4_K) {
+    const DS_TG uint8_t* b = row + 144u * (u >> 3);
+    const uint32_t j = u & 7u, sh = 4u * (j & 1u);
+    const DS_TG uint8_t* q = b + 16 + 32 * (j >> 1);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      uint32_t w = ds_tld32(q + 4 * i) >> sh;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s = DS_FMA(ds_u2f((w >> (8 * k)) & 15u), x[4 * i + k], s);
+    }
+    float sc, m;
+    ds_q4k_scale_min(b + 4, j, sc, m);
+    return ds_tf16(b) * sc * s - ds_tf16(b + 2) * m * (xs[0] + xs[1]);
+  } else if (qt == DS_IQ2_XXS) {
+    const DS_TG uint8_t* b = row + 66u * (u >> 3);
+    const DS_TG uint8_t* g = b + 2 + 8 * (u & 7u);
+    const uint32_t A = ds_tld32_a2(g), B = ds_tld32_a2(g + 4);
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t gi = (A >> (8 * k)) & 255u;
+      const uint32_t sg = ds_iq2_signs((B >> (7 * k)) & 127u);
+      const uint32_t lo = grid[2 * gi], hi = grid[2 * gi + 1];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float v = ds_byte_f(j < 4 ? lo : hi, j & 3);
+        s = DS_FMA(DS_U32_AS_F(DS_F_AS_U32(v) ^ (((sg >> j) & 1u) << 31)), x[8 * k + j], s);  // sign by bit flip
+      }
+    }
+    return ds_tf16(b) * (0.5f + float(B >> 28)) * 0.25f * s;
+  } else if (qt == DS_F16 || qt == DS_BF16) {
+    const DS_TG uint8_t* b = row + 64u * u;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      uint32_t w = ds_tld32(b + 4 * i);
+      float w0 = qt == DS_F16 ? DS_F16_BITS(w & 0xffffu) : DS_U32_AS_F(w << 16);
+      float w1 = qt == DS_F16 ? DS_F16_BITS(w >> 16) : DS_U32_AS_F(w & 0xffff0000u);
+      s = DS_FMA(w0, x[2 * i], s);
+      s = DS_FMA(w1, x[2 * i + 1], s);
+    }
+    return s;
+  } else {  // DS_F32
+    const DS_TG float* b = (const DS_TG float*)(row + 128u * u);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s = DS_FMA(b[i], x[i], s);
+    return s;
+  }
+}
+
