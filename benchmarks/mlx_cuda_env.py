@@ -1,12 +1,14 @@
-"""MLX-CUDA runtime settings vs decode speed: one child process per setting, same model, same steps.
+"""MLX-CUDA runtime settings vs decode speed: one ``benchmarks/model.py --quick`` child per setting, in rounds.
 
-    python benchmarks/mlx_cuda_env.py [--layers 4] [--ctx 512] [--json out.json]
+    python benchmarks/mlx_cuda_env.py [--layers 43] [--prefill 2048] [--rounds 2] [--only NAME ...] [--json out.json]
 
-MLX's CUDA backend records every ``MLX_MAX_OPS_PER_BUFFER`` ops (default 20) into a CUDA graph and keeps
-``MLX_CUDA_GRAPH_CACHE_SIZE`` (default 100) instantiated graphs. One V4 Flash decode step is thousands of
-small ops, i.e. hundreds of graphs, so the settings decide how often a graph is re-instantiated. Each child
-builds the first ``--layers`` layers at the full width (random q2 weights), prefills ``--ctx`` tokens and
-times synchronous decode steps; the ratios to the default setting are printed side by side.
+MLX's CUDA backend records ops into a CUDA graph and launches it (a "commit") once it holds
+``MLX_MAX_OPS_PER_BUFFER`` ops or its inputs reach ``MLX_MAX_MB_PER_BUFFER`` MB; it keeps
+``MLX_CUDA_GRAPH_CACHE_SIZE`` instantiated graphs to update instead of re-instantiating. One V4 Flash decode
+step is ~1800 small ops, and every routed-expert gather reads a ~0.5-0.7 GB expert tensor, so under the MB cap
+each of them ends a graph. The settings are process-wide and read once, so each runs in its own child; the
+children run round-robin (``--rounds``) so host drift hits every setting alike. Reported per setting: the
+median over rounds of the pipelined decode ms/token, and its ratio to the first setting.
 """
 
 from __future__ import annotations
@@ -16,70 +18,70 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = {
     "default": {},
-    "graph cache 4096": {"MLX_CUDA_GRAPH_CACHE_SIZE": "4096"},
     "no cuda graphs": {"MLX_USE_CUDA_GRAPHS": "0"},
-    "cache 4096, 100 ops/graph": {"MLX_CUDA_GRAPH_CACHE_SIZE": "4096", "MLX_MAX_OPS_PER_BUFFER": "100"},
-    "cache 4096, 250 ops/graph": {"MLX_CUDA_GRAPH_CACHE_SIZE": "4096", "MLX_MAX_OPS_PER_BUFFER": "250"},
+    "100 ops/graph": {"MLX_MAX_OPS_PER_BUFFER": "100"},
+    "no MB cap": {"MLX_MAX_MB_PER_BUFFER": "1000000"},
+    "no MB cap, 100 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "100"},
+    "no MB cap, 250 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "250"},
+    "no MB cap, 1000 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "1000"},
 }
+MLX_KEYS = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
 
-CHILD = r"""
-import json, sys, time
-import mlx.core as mx, numpy as np
-from ds4_mlx.random_model import random_weights, shape_config
-from ds4_mlx.model.model import Model
-from ds4_mlx.session import Session
-layers, ctx, steps = map(int, sys.argv[1:4])
-cfg = shape_config("full", layers)
-model = Model(cfg, random_weights(cfg, "q2"))
-sess = Session(model)
-sess.prefill([0] + np.random.default_rng(0).integers(2, 1000, ctx - 1).tolist())
-tok = int(mx.argmax(sess.logits).item())
-for _ in range(4):
-    tok = int(mx.argmax(sess.step(tok)).item())
-ts = []
-for _ in range(steps):
-    t0 = time.perf_counter()
-    tok = int(mx.argmax(sess.step(tok)).item())
-    ts.append(time.perf_counter() - t0)
-x = mx.ones((4096,)); mx.eval(x)
-def chain():
-    y = x
-    for _ in range(400):
-        y = y * 1.0001
-    mx.eval(y)
-chain(); t0 = time.perf_counter(); chain(); op = (time.perf_counter() - t0) / 400
-print("RESULT " + json.dumps({"step_ms": float(np.median(ts)) * 1e3, "op_us": op * 1e6}))
-"""
+
+def run_child(env: dict[str, str], args: argparse.Namespace) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in MLX_KEYS}  # exactly the listed setting
+    e.update(env)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (e.get("PYTHONPATH", ""), str(ROOT)) if p)
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "r.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks/model.py"), "--quick", "--shape", "full", "--prefill",
+               str(args.prefill), "--decode", str(args.decode), "--json", str(out)]
+        if args.layers:
+            cmd += ["--layers", str(args.layers)]
+        r = subprocess.run(cmd, env=e, capture_output=True, text=True)
+        if r.returncode or not out.exists():
+            return {"error": r.stderr[-600:]}
+        res = json.loads(out.read_text())
+    return {k: res[k] for k in ("decode_ms", "decode_sync_ms", "decode_host_split_ms", "floor_ratio", "prefill_tok_s")}
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=None, help="layer count (default: all 43)")
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--decode", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", nargs="*", default=None, help="setting names to run (default: all), first = baseline")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    results = {}
-    for name, env in SETTINGS.items():
-        e = dict(os.environ, **env)
-        e["PYTHONPATH"] = os.pathsep.join(p for p in (e.get("PYTHONPATH", ""), str(ROOT)) if p)
-        r = subprocess.run([sys.executable, "-c", CHILD, str(args.layers), str(args.ctx), str(args.steps)],
-                           env=e, capture_output=True, text=True)
-        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        results[name] = dict(env=env, **(json.loads(line[7:]) if line else {"error": r.stderr[-400:]}))
-        base = results["default"].get("step_ms")
-        res = results[name]
-        ratio = f"  {base / res['step_ms']:.2f}x vs default" if base and "step_ms" in res else ""
-        print(f"{name:28s} {json.dumps(res)}{ratio}", flush=True)
+    names = args.only or list(SETTINGS)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for rnd in range(args.rounds):
+        for name in names:
+            r = run_child(SETTINGS[name], args)
+            runs[name].append(r)
+            print(f"round {rnd} {name:28s} {json.dumps(r)}", flush=True)
+    summary = {}
+    for name in names:
+        ms = [r["decode_ms"] for r in runs[name] if "decode_ms" in r]
+        summary[name] = {"env": SETTINGS[name], "decode_ms": float(np.median(ms)) if ms else None, "runs": runs[name]}
+    base = summary[names[0]]["decode_ms"]
+    for name in names:
+        ms = summary[name]["decode_ms"]
+        ratio = f"{base / ms:.2f}x vs {names[0]}" if ms and base else "failed"
+        print(f"{name:28s} median pipelined decode {ms or float('nan'):7.2f} ms/token  {ratio}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    return results
+        args.json.write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 if __name__ == "__main__":

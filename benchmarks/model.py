@@ -135,6 +135,18 @@ def decode_seconds(sess: Session, n: int, pipelined: bool) -> tuple[float, dict[
     return total / n, {k: v / n * 1e3 for k, v in spent.items()}
 
 
+def graph_build_seconds(model: Model, sess: Session, reps: int) -> float:
+    """Median Python time to build one decode step's graph (no evaluation), on copies of the state."""
+    tok, ctx, builds = int(sess.tokens[-1]), sess.pos, []
+    for _ in range(reps):
+        caches = [c.snapshot() for c in sess.caches]
+        t0 = time.perf_counter()
+        logits = model([tok], ctx, caches)
+        builds.append(time.perf_counter() - t0)
+        mx.eval(logits)
+    return float(np.median(builds))
+
+
 # floor components (layout.decode_bytes_per_token labels) grouped like the timed components
 FLOOR_GROUPS = {
     "attention": ("attention projections", "attention compressors", "indexer q_b + proj", "indexer compressors",
@@ -158,6 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=None, help="override the layer count (quick smoke runs)")
     ap.add_argument("--numerics", default="ds4")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--quick", action="store_true",
+                    help="prefill and decode only: skip the op-by-op decode, the build timing and the components")
     args = ap.parse_args(argv)
     full = args.shape == "full"
     n_prefill = args.prefill or (1024 if full else 64)
@@ -190,36 +204,28 @@ def main(argv: list[str] | None = None) -> dict:
     decode_seconds(sess, 8, pipelined=False)
     t_decode_sync, _ = decode_seconds(sess, n_decode, pipelined=False)
     t_decode, split = decode_seconds(sess, n_decode, pipelined=True)
-    # Side by side in the same run: the same pipelined decode with the steps built op by op (not compiled).
-    model.set_compile_decode(False)
-    decode_seconds(sess, 2, pipelined=True)
-    t_decode_ops, _ = decode_seconds(sess, n_decode, pipelined=True)
-    model.set_compile_decode(True)
-    tok = int(sess.tokens[-1])
     ctx = sess.pos
     assert bool(mx.all(mx.isfinite(sess.logits)).item()), "non-finite logits"
-
-    # Python graph-building time of one decode step (no evaluation), on copies of the state
-    builds = []
-    for _ in range(max(3, args.reps)):
-        caches = [c.snapshot() for c in sess.caches]
-        t0 = time.perf_counter()
-        logits = model([tok], ctx, caches)
-        builds.append(time.perf_counter() - t0)
-        mx.eval(logits)
-    t_build = float(np.median(builds))
+    t_decode_ops = t_build = None
+    if not args.quick:
+        # Side by side in the same run: the same pipelined decode with the steps built op by op (not compiled).
+        model.set_compile_decode(False)
+        decode_seconds(sess, 2, pipelined=True)
+        t_decode_ops, _ = decode_seconds(sess, n_decode, pipelined=True)
+        model.set_compile_decode(True)
+        t_build = graph_build_seconds(model, sess, max(3, args.reps))
 
     floor_bytes = decode_bytes_per_token(cfg, sizes, ctx)
     total_bytes = sum(floor_bytes.values())
     floor = total_bytes / bw
-    comps = component_times(model, sess, args.reps)
+    comps = {} if args.quick else component_times(model, sess, args.reps)
 
     res = {
         "shape": args.shape, "experts": args.experts, "device": str(mx.default_device()),
         "kernels": kernel_backend(), "prefill_tokens": n_prefill, "chunk": args.chunk,
         "prefill_tok_s": n_prefill / t_prefill, "decode_ms": t_decode * 1e3, "decode_sync_ms": t_decode_sync * 1e3,
-        "decode_uncompiled_ms": t_decode_ops * 1e3, "decode_ctx": ctx,
-        "decode_graph_build_ms": t_build * 1e3, "decode_host_split_ms": split,
+        "decode_uncompiled_ms": t_decode_ops and t_decode_ops * 1e3, "decode_ctx": ctx,
+        "decode_graph_build_ms": t_build and t_build * 1e3, "decode_host_split_ms": split,
         "copy_bw_GBs": bw / 1e9, "bytes_per_token": total_bytes, "floor_ms": floor * 1e3,
         "floor_ratio": floor / t_decode, "components_ms": {k: v * 1e3 for k, v in comps.items()},
         "components_floor_ms": {k: sum(floor_bytes.get(c, 0) for c in cs) / bw * 1e3 for k, cs in FLOOR_GROUPS.items()},
@@ -228,18 +234,20 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"prefill: {n_prefill} tokens (chunk {args.chunk}) in {t_prefill:.2f} s = {res['prefill_tok_s']:.1f} tok/s")
     print(f"decode:  {res['decode_ms']:.2f} ms/token at ctx {ctx} ({1e3 / res['decode_ms']:.1f} tok/s), pipelined;"
           f" {res['decode_sync_ms']:.2f} ms synchronous (one step at a time)")
-    print(f"         op by op (DS4_MLX_COMPILE=0): {res['decode_uncompiled_ms']:.2f} ms/token, "
-          f"compiled steps {res['decode_uncompiled_ms'] / res['decode_ms']:.2f}x faster")
-    print(f"         building one step's graph (compiled steps: replaying their traces) takes "
-          f"{res['decode_graph_build_ms']:.2f} ms")
+    if not args.quick:
+        print(f"         op by op (DS4_MLX_COMPILE=0): {res['decode_uncompiled_ms']:.2f} ms/token, "
+              f"compiled steps {res['decode_uncompiled_ms'] / res['decode_ms']:.2f}x faster")
+        print(f"         building one step's graph (compiled steps: replaying their traces) takes "
+              f"{res['decode_graph_build_ms']:.2f} ms")
     print("         pipelined step on the host: " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items()))
     print(f"floor:   {total_bytes / 1e9:.3f} GB/token / {bw / 1e9:.0f} GB/s copy bandwidth = {res['floor_ms']:.2f} ms"
           f"  -> decode at {100 * res['floor_ratio']:.1f}% of the floor")
-    print(f"{'component':<14}{'measured ms':>12}{'floor ms':>10}{'% floor':>9}")
-    for k, v in res["components_ms"].items():
-        f = res["components_floor_ms"][k]
-        print(f"{k:<14}{v:>12.2f}{f:>10.2f}{100 * f / v:>8.1f}%")
-    print(f"{'sum':<14}{sum(res['components_ms'].values()):>12.2f}   (whole decode step {res['decode_ms']:.2f})")
+    if comps:
+        print(f"{'component':<14}{'measured ms':>12}{'floor ms':>10}{'% floor':>9}")
+        for k, v in res["components_ms"].items():
+            f = res["components_floor_ms"][k]
+            print(f"{k:<14}{v:>12.2f}{f:>10.2f}{100 * f / v:>8.1f}%")
+        print(f"{'sum':<14}{sum(res['components_ms'].values()):>12.2f}   (whole decode step {res['decode_ms']:.2f})")
     print(f"kv state {sess.kv_bytes / 1e6:.1f} MB, peak memory {res['peak_memory_GB']:.2f} GB")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))

@@ -57,13 +57,15 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
     out = tmp_path / "res.json"
     res = bench.main(["--shape", "tiny", "--prefill", "23", "--chunk", "10", "--decode", "2", "--reps", "1",
                       "--json", str(out)])
-    # prompt + warm-up + sync + pipelined + (warm-up + pipelined) op by op
-    assert json.loads(out.read_text())["decode_ctx"] == 23 + 8 + 2 + 2 + 2 + 2
+    # the pipelined decode ran at: prompt + warm-up + sync + pipelined (then the op-by-op runs)
+    assert json.loads(out.read_text())["decode_ctx"] == 23 + 8 + 2 + 2
     split = res["decode_host_split_ms"]
     assert set(split) == {"build", "encode", "wait"} and split["encode"] > 0 and split["build"] > 0
     assert res["decode_ms"] > 0 and res["decode_uncompiled_ms"] > 0 and res["prefill_tok_s"] > 0 and 0 < res["floor_ratio"]
     assert set(res["components_ms"]) == {"attention", "moe", "hc", "output head"}
     assert all(v > 0 for v in res["components_ms"].values())
+    quick = bench.main(["--shape", "tiny", "--prefill", "9", "--decode", "2", "--quick"])  # what mlx_cuda_env.py runs
+    assert quick["decode_ms"] > 0 and quick["decode_uncompiled_ms"] is None and quick["components_ms"] == {}
 
 
 def test_decode_step_launch_budget():
