@@ -51,7 +51,7 @@ def main() -> None:
         tag = f"L{il} r{cfg.compress_ratio(il)}"
         t(f"{tag} attention (whole)", lambda: attn(x, 0, model.make_cache()[il]))
         n = mx.fast.rms_norm(x, attn.attn_norm, cfg.rms_eps)
-        t(f"{tag}   q_a+q_b+kv matmuls", lambda: (attn.attn_q_b.matmul(attn.attn_q_a.matmul(n)), attn.attn_kv.matmul(n)))
+        t(f"{tag}   q_a+kv, q_b matmuls", lambda: attn.attn_q_b.matmul(attn.attn_q_a_kv.matmul(n)[:, : attn.q_lora]))
         o = mx.random.normal((T, cfg.n_head, cfg.head_dim))
         t(f"{tag}   output a (grouped) + b", lambda: attn.attn_output_b.matmul(attn._grouped_output_a(o)))
         if attn.compressor is not None:

@@ -103,6 +103,23 @@ class QuantWeight:
             arr = mx.array(a.view(np.uint8).reshape(cls.storage_shape(qtype, shape)))
         return cls(arr, qtype, shape)
 
+    @classmethod
+    def stack_rows(cls, weights: Sequence["QuantWeight"]) -> "QuantWeight":
+        """One 2-D weight holding the rows of ``weights`` in order (same type and input width).
+
+        Rows of a GGUF matrix are independent (each is its own run of blocks), so the stacked weight has the
+        same values, still in their file encoding. Projections that share an input then run as one matvec,
+        one launch instead of several in the host-bound decode step.
+        """
+        first = weights[0]
+        for w in weights:
+            if len(w.shape) != 2 or w.qtype != first.qtype or w.in_features != first.in_features:
+                raise ValueError(f"stack_rows: {w!r} does not stack with {first!r}")
+        out = sum(w.out_features for w in weights)
+        data = mx.concatenate([w.data for w in weights])
+        mx.eval(data)  # materialized now: a compiled step must see a weight, not a concatenation to redo
+        return cls(data, first.qtype, (out, first.in_features))
+
     # --- properties -------------------------------------------------------------------------------------
 
     @property

@@ -270,8 +270,8 @@ def decode_rows_fused(comp: Compressor, n: mx.array, backend: str):
     r, hd = comp.ratio, comp.hd
     state, rows = comp.init_state(), []
     for p in range(n.shape[0]):
-        kv_cur = comp.wkv.matmul(n[p : p + 1])
-        sc_cur = comp.wgate.matmul(n[p : p + 1]) + comp.ape[p % r : p % r + 1]
+        kv_cur, sc_cur = comp.project(n[p : p + 1])
+        sc_cur = sc_cur + comp.ape[p % r : p % r + 1]
         row = (r if comp.coff == 2 else 0) + p % r
         kv = mx.slice_update(state.kv, kv_cur, mx.array([row]), axes=(0,))
         sc = mx.slice_update(state.score, sc_cur, mx.array([row]), axes=(0,))

@@ -186,3 +186,29 @@ def test_shape_validation():
         e.gather_matmul(mx.zeros((2, 256)), mx.zeros((3, 2), dtype=mx.int32))
     with pytest.raises(ValueError):
         QuantWeight(mx.zeros((4, 35), dtype=mx.uint8), QT.Q8_0, (4, 32))
+
+
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.F16, QT.Q2_K])
+def test_stack_rows(qt):
+    """Stacked rows hold the same values in the same encoding: one matvec gives each weight's product."""
+    rng = np.random.default_rng(int(qt))
+    n_in = _in_dim(qt, 1)
+    parts = [make_weight(rng, qt, (rows, n_in)) for rows in (3, 5, 2)]
+    s = QuantWeight.stack_rows([w for w, _ in parts])
+    assert s.qtype == qt and s.shape == (10, n_in)
+    ref = np.concatenate([r for _, r in parts])
+    np.testing.assert_array_equal(np.array(s.dequantize()), ref.astype(np.float32))
+    x = mx.random.normal((2, n_in), key=mx.random.key(1))
+    y, at = np.array(s.matmul(x)), 0
+    for w, _ in parts:
+        np.testing.assert_allclose(y[:, at : at + w.out_features], np.array(w.matmul(x)), rtol=1e-6, atol=1e-6)
+        at += w.out_features
+
+
+def test_stack_rows_rejects_mismatches():
+    rng = np.random.default_rng(0)
+    a, _ = make_weight(rng, QT.Q8_0, (4, 64))
+    for other in (make_weight(rng, QT.F16, (4, 64))[0], make_weight(rng, QT.Q8_0, (4, 96))[0],
+                  make_weight(rng, QT.Q8_0, (2, 4, 64))[0]):
+        with pytest.raises(ValueError, match="does not stack"):
+            QuantWeight.stack_rows([a, other])

@@ -26,6 +26,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..kernels.fused import attend_one, kernel_counts, qkv_rows, top_k_rows  # Metal/CUDA kernels; MLX on CPU
 from ..numerics import Numerics, get_numerics, kv_row
+from ..weights import QuantWeight
 from .compressor import Compressor, CompressorState, index_array
 from .indexer import Indexer, select_top_k, selected_indices
 from .rope import Rope, apply_rope
@@ -199,10 +200,12 @@ class Attention:
 
         p = f"blk.{il}."
         self.attn_norm = weights[p + "attn_norm.weight"]  # [E]
-        self.attn_q_a = weights[p + "attn_q_a.weight"]  # [q_lora, E]
+        q_a, kv = weights[p + "attn_q_a.weight"], weights[p + "attn_kv.weight"]  # [q_lora, E], [D, E]
+        self.q_lora = q_a.out_features
+        # q_a and kv rows stacked: both project the normed input, so one matvec gives both [q_lora + D, E]
+        self.attn_q_a_kv = QuantWeight.stack_rows([q_a, kv])
         self.attn_q_a_norm = weights[p + "attn_q_a_norm.weight"]  # [q_lora]
         self.attn_q_b = weights[p + "attn_q_b.weight"]  # [H*D, q_lora]
-        self.attn_kv = weights[p + "attn_kv.weight"]  # [D, E]
         self.attn_kv_a_norm = weights[p + "attn_kv_a_norm.weight"]  # [D]
         self.attn_sinks = weights[p + "attn_sinks.weight"]  # [H]
         self.attn_output_a = weights[p + "attn_output_a.weight"]  # [G*o_lora, (H/G)*D]
@@ -262,9 +265,10 @@ class Attention:
     def _project(self, x: mx.array, C: mx.array, S: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """``x [T, E]`` -> normed input ``n``, ``qr [T, q_lora]``, RoPE'd ``q [T, H, D]`` and the stored KV row."""
         n = mx.fast.rms_norm(x, self.attn_norm, self.eps)  # [T, E]
-        qr = mx.fast.rms_norm(self.attn_q_a.matmul(n), self.attn_q_a_norm, self.eps)  # [T, q_lora]
+        q_a_kv = self.attn_q_a_kv.matmul(n)  # [T, q_lora + D]: attn_q_a n, then attn_kv n
+        qr = mx.fast.rms_norm(q_a_kv[:, : self.q_lora], self.attn_q_a_norm, self.eps)  # [T, q_lora]
         q, kv = qkv_rows(  # q = rope(headrms(q_b qr)) [T, H, D]; kv = kv_row(rope(rms(attn_kv n))) [T, D]
-            self.attn_q_b.matmul(qr), self.attn_kv.matmul(n), self.attn_kv_a_norm, C, S, self.eps, self.n_head,
+            self.attn_q_b.matmul(qr), q_a_kv[:, self.q_lora :], self.attn_kv_a_norm, C, S, self.eps, self.n_head,
             nope_fp8=self.nope if self.numerics.fp8_kv else 0, f16r=self.numerics.f16_cache,
         )  # fmt: skip
         return n, qr, q, kv

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels.fused import compressor_pool
+from ..weights import QuantWeight
 from .rope import Rope
 
 
@@ -77,8 +78,8 @@ class Compressor:
         self.rope = rope
         self.finish_row = finish_row  # FP8 or QAT, then f16r, as the numeric profile says
         p = f"blk.{il}.{prefix}"
-        self.wkv = weights[f"{p}_kv.weight"]  # QuantWeight [coff*hd, E]
-        self.wgate = weights[f"{p}_gate.weight"]  # QuantWeight [coff*hd, E]
+        # kv and gate rows stacked: both project the same input, so one matvec gives both [2*coff*hd, E]
+        self.wkv_gate = QuantWeight.stack_rows([weights[f"{p}_kv.weight"], weights[f"{p}_gate.weight"]])
         self.ape = weights[f"{p}_ape.weight"].dequantize()  # [r, coff*hd] f32, dequantized once
         self.norm = weights[f"{p}_norm.weight"]  # [hd]
         if tuple(self.ape.shape) != (ratio, self.width):
@@ -88,6 +89,11 @@ class Compressor:
 
     def init_state(self) -> CompressorState:
         return CompressorState.init(self.ratio, self.hd)
+
+    def project(self, n: mx.array) -> tuple[mx.array, mx.array]:
+        """``n [T, E]`` -> its kv rows and gate scores (before APE), ``[T, coff*hd]`` each."""
+        y = self.wkv_gate.matmul(n)  # [T, 2w]
+        return y[:, : self.width], y[:, self.width :]
 
     def __call__(self, n: mx.array, pos: int, state: CompressorState) -> tuple[mx.array | None, CompressorState]:
         """Feed ``n [T, E]`` (attn-normed inputs at positions ``pos..pos+T-1``).
@@ -101,8 +107,8 @@ class Compressor:
             io = self.decode_inputs(pos)
             row, kv, sc = self.decode(n, state.kv, state.score, io, complete=(pos + 1) % r == 0)
             return row, CompressorState(kv, sc)
-        kv_cur = self.wkv.matmul(n)  # [T, w]
-        sc_cur = self.wgate.matmul(n) + self._ape_rows(pos, T)  # [T, w]
+        kv_cur, sc_cur = self.project(n)  # [T, w] each
+        sc_cur = sc_cur + self._ape_rows(pos, T)
 
         cur0 = r if self.coff == 2 else 0  # first frontier row of the current window
         k = pos % r  # tokens of the current window already in the frontier
@@ -154,8 +160,9 @@ class Compressor:
         math as the chunked path. Returns ``(row [1, hd] or None, new kv, new score)``.
         """
         r, w = self.ratio, self.width
-        kv = mx.slice_update(kv, self.wkv.matmul(n), io["at"], axes=(0,))  # [coff*r, w]
-        score = mx.slice_update(score, self.wgate.matmul(n) + io["ape"], io["at"], axes=(0,))
+        kv_row, score_row = self.project(n)
+        kv = mx.slice_update(kv, kv_row, io["at"], axes=(0,))  # [coff*r, w]
+        score = mx.slice_update(score, score_row + io["ape"], io["at"], axes=(0,))
         if not complete:
             return None, kv, score
         c = compressor_pool(kv[None], score[None], self.norm, io["C"], io["S"], self.eps, lanes=self.coff)

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels.fused import moe_route
+from ..weights import QuantWeight
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
 RANK_MAX_ELEMS = 1 << 25  # largest [T, N, N] comparison block of the top-k selection
@@ -113,8 +114,10 @@ class MoE:
         self.ffn_gate_exps = weights[p + "ffn_gate_exps.weight"]  # [n_expert, F, E]
         self.ffn_up_exps = weights[p + "ffn_up_exps.weight"]  # [n_expert, F, E]
         self.ffn_down_exps = weights[p + "ffn_down_exps.weight"]  # [n_expert, E, F]
-        self.ffn_gate_shexp = weights[p + "ffn_gate_shexp.weight"]  # [F, E]
-        self.ffn_up_shexp = weights[p + "ffn_up_shexp.weight"]  # [F, E]
+        gate_sh = weights[p + "ffn_gate_shexp.weight"]  # [F, E]
+        self.n_ff_shexp = gate_sh.out_features
+        # gate and up rows stacked: one matvec of the normed input gives both [2F, E]
+        self.ffn_gate_up_shexp = QuantWeight.stack_rows([gate_sh, weights[p + "ffn_up_shexp.weight"]])
         self.ffn_down_shexp = weights[p + "ffn_down_shexp.weight"]  # [E, F]
 
     def route(self, n: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
@@ -137,7 +140,8 @@ class MoE:
 
     def shared(self, n: mx.array) -> mx.array:
         """Shared expert with the same clamped SwiGLU -> [T, E]."""
-        mid = swiglu(self.ffn_gate_shexp.matmul(n), self.ffn_up_shexp.matmul(n), self.clamp)  # [T, F]
+        gu, F = self.ffn_gate_up_shexp.matmul(n), self.n_ff_shexp  # [T, 2F]
+        mid = swiglu(gu[:, :F], gu[:, F:], self.clamp)  # [T, F]
         return self.ffn_down_shexp.matmul(mid)
 
     def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:
