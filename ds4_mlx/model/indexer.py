@@ -42,8 +42,9 @@ class Indexer:
         """``score [T, N]`` of the indexer rows ``keys [N, 128]``; ``C, S [T, 128]`` are the queries' RoPE tables."""
         iq = index_query(self.wq_b.matmul(qr), C, S, self.n_head, self.numerics.indexer_qat)  # [T, H_i, 128]
         w = self.wproj.matmul(n) * self.scale  # [T, H_i]
-        dots = mx.maximum(iq @ keys.T, 0.0)  # [T, H_i, N]
-        return (w[:, None, :] @ dots)[:, 0, :]  # [T, N]
+        # The head sum as multiply + reduce, not a [1, H_i] @ [H_i, N] product: in a decode step that is one
+        # fused elementwise op and a reduction instead of two ops and a cuBLAS call (~40 µs of host time each).
+        return (mx.maximum(iq @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)  # [T, H_i, N] -> [T, N]
 
 
 def select_top_k(scores: mx.array, n_visible: np.ndarray, k: int) -> mx.array:
