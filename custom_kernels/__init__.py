@@ -1,10 +1,10 @@
 """ds4-mlx custom kernels (installed as ``ds4_mlx.kernels``): write-once bodies for Metal and CUDA.
 
 Each kernel is one ``*.body`` file plus the shared ``ds_prelude.h`` macro layer and, for the quant kernels,
-``ds_quant.h`` and the kernel's own ``<kind>.h`` (QUANTS.md §3.4). This module renders them (comments and indentation stripped, see
-:func:`minify`) for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, builds each kernel once per backend,
-validates inputs and picks grid and threadgroup. :class:`ds4_mlx.weights.QuantWeight` calls :func:`matmul` and
-:func:`gather_matmul` here when the backend is ``metal`` or ``cuda``.
+``ds_quant.h`` and the kernel's own ``<kind>.h`` (QUANTS.md §3.4). This module renders them without comments
+or indentation (:func:`minify`) for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, builds each kernel
+once per backend, validates inputs and picks grid and threadgroup. :class:`ds4_mlx.weights.QuantWeight` calls
+:func:`matmul` and :func:`gather_matmul` here when the backend is ``metal`` or ``cuda``.
 
 Kernels:
 - ``mv``: decode matvec for a few tokens, dense or expert-gathered (``mul_mv_id``): f32 activations, weights
@@ -113,10 +113,10 @@ def minify(text: str) -> str:
         elif text.startswith("//", i):
             i = text.find("\n", i)
             i = n if i < 0 else i
-        elif c in " \t" or text.startswith("/*", i):  # a block comment separates tokens like a blank
-            if c != " " and c != "\t":
+        elif c in " \t" or text.startswith("/*", i):  # blanks and block comments: at most one blank
+            if c == "/":
                 j = text.find("*/", i + 2)
-                i = n if j < 0 else j + 1
+                i = n - 1 if j < 0 else j + 1  # on the comment's last character
             if out and out[-1][-1:] not in (" ", "\n"):
                 out.append(" ")
             i += 1
