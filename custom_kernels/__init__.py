@@ -96,9 +96,9 @@ def minify(text: str) -> str:
     """Kernel text without comments, indentation, runs of blanks and empty lines; tokens, string literals and
     line structure (preprocessor lines, ``\\`` continuations) are kept.
 
-    MLX keys its compiled-module cache by a hash of the kernel's whole generated source and computes it at
-    every launch (Metal and CUDA alike), so each byte of source costs host time in every decode step: on the
-    H200 the hashing was a quarter of MLX's encode time (benchmarks/RESULTS.md).
+    MLX keys its compiled-module cache by a hash of the kernel's whole generated source, and on CUDA computes
+    it at every launch, so each byte of source costs host time in every decode step: on the H200 the hashing
+    was a quarter of MLX's encode time (benchmarks/RESULTS.md). Metal keys kernels by source too (unmeasured).
     """
     out: list[str] = []
     i, n = 0, len(text)
