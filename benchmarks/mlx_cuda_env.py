@@ -19,7 +19,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -37,52 +39,67 @@ SETTINGS = {
 MLX_KEYS = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
 
 
-def run_child(env: dict[str, str], args: argparse.Namespace) -> dict:
+def run_child(args: argparse.Namespace, env: dict[str, str] | None = None, tree: Path = ROOT) -> dict:
+    """``benchmarks/model.py --quick`` (full shape by default) from ``tree`` (its own ``ds4_mlx``) with MLX settings
+    ``env`` (any other MLX_* batching setting removed) -> the decode and prefill figures, or ``{"error"}``."""
     e = {k: v for k, v in os.environ.items() if k not in MLX_KEYS}  # exactly the listed setting
-    e.update(env)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (e.get("PYTHONPATH", ""), str(ROOT)) if p)
+    e.update(env or {})
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), e.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "r.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks/model.py"), "--quick", "--shape", "full", "--prefill",
+        cmd = [sys.executable, str(tree / "benchmarks/model.py"), "--quick", "--shape", args.shape, "--prefill",
                str(args.prefill), "--decode", str(args.decode), "--json", str(out)]
         if args.layers:
             cmd += ["--layers", str(args.layers)]
-        r = subprocess.run(cmd, env=e, capture_output=True, text=True)
+        r = subprocess.run(cmd, env=e, cwd=tree, capture_output=True, text=True)
         if r.returncode or not out.exists():
             return {"error": r.stderr[-600:]}
         res = json.loads(out.read_text())
     return {k: res[k] for k in ("decode_ms", "decode_sync_ms", "decode_host_split_ms", "floor_ratio", "prefill_tok_s")}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def round_robin(runs: dict[str, Callable[[], dict]], rounds: int) -> dict:
+    """Run every entry once per round, in order, so host drift hits all alike; print each result, then the
+    median pipelined decode ms/token of each entry and its ratio to the first."""
+    results: dict[str, list[dict]] = {name: [] for name in runs}
+    for rnd in range(rounds):
+        for name, run in runs.items():
+            results[name].append(run())
+            print(f"round {rnd} {name:28s} {json.dumps(results[name][-1])}", flush=True)
+    summary = {}
+    for name, rs in results.items():
+        ms = [r["decode_ms"] for r in rs if "decode_ms" in r]
+        summary[name] = {"decode_ms": float(np.median(ms)) if ms else None, "runs": rs}
+    first = next(iter(summary))
+    base = summary[first]["decode_ms"]
+    for name, v in summary.items():
+        ms = v["decode_ms"]
+        ratio = f"{base / ms:.2f}x vs {first}" if ms and base else "failed"
+        print(f"{name:28s} median pipelined decode {ms or float('nan'):7.2f} ms/token  {ratio}")
+    return summary
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--shape", choices=("full", "tiny"), default="full", help="tiny: a CPU smoke run")
     ap.add_argument("--layers", type=int, default=None, help="layer count (default: all 43)")
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--decode", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", nargs="*", default=None, help="setting names to run (default: all), first = baseline")
     ap.add_argument("--json", type=Path, default=None)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(ap)
+    ap.add_argument("--only", nargs="*", default=None, help="setting names to run (default: all), first = baseline")
     args = ap.parse_args(argv)
     names = args.only or list(SETTINGS)
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    for rnd in range(args.rounds):
-        for name in names:
-            r = run_child(SETTINGS[name], args)
-            runs[name].append(r)
-            print(f"round {rnd} {name:28s} {json.dumps(r)}", flush=True)
-    summary = {}
-    for name in names:
-        ms = [r["decode_ms"] for r in runs[name] if "decode_ms" in r]
-        summary[name] = {"env": SETTINGS[name], "decode_ms": float(np.median(ms)) if ms else None, "runs": runs[name]}
-    base = summary[names[0]]["decode_ms"]
-    for name in names:
-        ms = summary[name]["decode_ms"]
-        ratio = f"{base / ms:.2f}x vs {names[0]}" if ms and base else "failed"
-        print(f"{name:28s} median pipelined decode {ms or float('nan'):7.2f} ms/token  {ratio}")
+    summary = round_robin({n: partial(run_child, args, SETTINGS[n]) for n in names}, args.rounds)
+    for n in names:
+        summary[n]["env"] = SETTINGS[n]
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     return summary
-
 
 if __name__ == "__main__":
     main()

@@ -68,6 +68,28 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
     assert quick["decode_ms"] > 0 and quick["decode_uncompiled_ms"] is None and quick["components_ms"] == {}
 
 
+def test_ab_decode_runs_both_trees(tmp_path):
+    """benchmarks/ab_decode.py: model.py --quick from this tree and from another (here a copy), in rounds."""
+    import importlib.util
+    import json
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    other = tmp_path / "other"
+    for d in ("ds4_mlx", "custom_kernels", "convert", "benchmarks"):
+        shutil.copytree(root / d, other / d, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    spec = importlib.util.spec_from_file_location("ab_decode", root / "benchmarks" / "ab_decode.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    out = tmp_path / "ab.json"
+    res = ab.main([str(other), "--shape", "tiny", "--prefill", "9", "--decode", "2", "--rounds", "1", "--json", str(out)])
+    assert set(res) == {"this tree", "other: other"} and json.loads(out.read_text()).keys() == res.keys()
+    assert all(v["decode_ms"] > 0 and "error" not in v["runs"][0] for v in res.values()), res
+    with pytest.raises(SystemExit, match="not a ds4-mlx tree"):
+        ab.main([str(tmp_path), "--shape", "tiny"])
+
+
 def test_decode_step_launch_budget():
     """The decode step's launch count on the GPU code path (benchmarks/graph_cost.py, kernels stood in for).
 
