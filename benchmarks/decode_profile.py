@@ -80,7 +80,7 @@ def layer_pieces(model: Model, il: int, cache, pos: int, tok: mx.array) -> dict:
         if cache.n_index > a.indexer.top_k:
             idx = cache.index[: cache.n_index]
             Ci, Si = a.rope.tables([pos], a.indexer.head_dim)
-            pieces["indexer scores"] = lambda x: tie(x, a.indexer.scores(x[:, : cfg.q_lora_rank], x, Ci, Si, idx))
+            pieces["indexer scores"] = lambda x: tie(x, a.indexer.scores(x[:, : cfg.q_lora_rank], a.indexer.head_weights(x), Ci, Si, idx))
     return pieces
 
 

@@ -120,6 +120,16 @@ class QuantWeight:
         mx.eval(data)  # materialized now: a compiled step must see a weight, not a concatenation to redo
         return cls(data, first.qtype, (out, first.in_features))
 
+    def split_rows(self, sizes: Sequence[int]) -> list["QuantWeight"]:
+        """The inverse of :meth:`stack_rows`: consecutive parts of ``sizes`` rows, each a view of this weight's
+        rows (no copy), so the parts and the whole can serve different call sites."""
+        if len(self.shape) != 2 or sum(sizes) != self.out_features:
+            raise ValueError(f"split_rows: {list(sizes)} rows do not split {self!r}")
+        starts = np.cumsum([0, *sizes])
+        parts = [QuantWeight(self.data[a:b], self.qtype, (b - a, self.in_features)) for a, b in zip(starts, starts[1:])]
+        mx.eval([w.data for w in parts])
+        return parts
+
     # --- properties -------------------------------------------------------------------------------------
 
     @property

@@ -203,6 +203,13 @@ def test_stack_rows(qt):
     for w, _ in parts:
         np.testing.assert_allclose(y[:, at : at + w.out_features], np.array(w.matmul(x)), rtol=1e-6, atol=1e-6)
         at += w.out_features
+    back = s.split_rows([3, 5, 2])  # the inverse: views of the stacked rows
+    for b, (w, r) in zip(back, parts):
+        assert b.qtype == qt and b.shape == w.shape
+        np.testing.assert_array_equal(np.array(b.dequantize()), r.astype(np.float32))
+        np.testing.assert_array_equal(np.array(b.matmul(x)), np.array(w.matmul(x)))
+    with pytest.raises(ValueError, match="do not split"):
+        s.split_rows([3, 5])
 
 
 def test_stack_rows_rejects_mismatches():

@@ -183,6 +183,12 @@ def attend(
     return o
 
 
+def _split(y: mx.array, sizes: tuple[int, ...]) -> list[mx.array]:
+    """``y [T, sum(sizes)]`` -> its consecutive column blocks (views)."""
+    starts = np.cumsum([0, *sizes])
+    return [y[:, a:b] for a, b in zip(starts, starts[1:])]
+
+
 class Attention:
     """Attention sublayer of layer ``il``; ``weights`` is the flat dict keyed by GGUF tensor names."""
 
@@ -220,6 +226,15 @@ class Attention:
             )  # fmt: skip
         if cfg.has_indexer(il):
             self.indexer = Indexer(cfg, il, weights, self.numerics, self.rope)
+        self.n_f16 = None
+        if self.indexer is not None:
+            # The F16 projections of the normed input (compressor kv+gate, indexer head weights, indexer
+            # compressor kv+gate) as one decode matvec; the parts become views of its rows (no second copy).
+            parts = [self.compressor.wkv_gate, self.indexer.wproj, self.indexer.compressor.wkv_gate]
+            self.n_f16 = QuantWeight.stack_rows(parts)
+            self.compressor.wkv_gate, self.indexer.wproj, self.indexer.compressor.wkv_gate = self.n_f16.split_rows(
+                [w.out_features for w in parts]
+            )
 
     # --- the sublayer -----------------------------------------------------------------------------------
 
@@ -316,19 +331,26 @@ class Attention:
         if keep:
             window = mx.concatenate([raw[raw.shape[0] - keep :].astype(self.kv_dtype), window])
         st = dict(st, raw=window)
+        if self.n_f16 is not None:  # one matvec for the compressors' and the indexer's projections of n
+            cw, iw = self.compressor.width, self.indexer.compressor.width
+            ckv, cg, hw, ikv, ig = _split(self.n_f16.matmul(n), (cw, cw, self.indexer.n_head, iw, iw))
+            comp_proj, index_proj = (ckv, cg), (ikv, ig)
+        elif r:
+            comp_proj = self.compressor.project(n)
         if r:
-            row, st["ckv"], st["csc"] = self.compressor.decode(n, st["ckv"], st["csc"], io["comp"], key.complete)
+            row, st["ckv"], st["csc"] = self.compressor.decode(comp_proj, st["ckv"], st["csc"], io["comp"], key.complete)
             if row is not None:
                 st["comp"] = mx.slice_update(st["comp"], row.astype(st["comp"].dtype), io["slot"], axes=(0,))
         if self.indexer is not None:
-            row, st["ikv"], st["isc"] = self.indexer.compressor.decode(n, st["ikv"], st["isc"], io["index"], key.complete)
+            ic = self.indexer.compressor
+            row, st["ikv"], st["isc"] = ic.decode(index_proj, st["ikv"], st["isc"], io["index"], key.complete)
             if row is not None:
                 st["index"] = mx.slice_update(st["index"], row, io["slot"], axes=(0,))
 
         comp = st["comp"] if key.has_comp else None  # [capacity, D]: attend_one reads its first counts[1] rows
         idx = None
         if key.select:  # attend to the indexer's top-k rows only
-            scores = self.indexer.scores(qr, n, io["Ci"], io["Si"], st["index"])  # [1, capacity]
+            scores = self.indexer.scores(qr, hw, io["Ci"], io["Si"], st["index"])  # [1, capacity]
             idx = top_k_rows(scores, io["index_counts"], self.indexer.top_k)  # [1, k] of the first n_vis rows
         o = attend_one(q, st["raw"], comp, idx, io["counts"], self.attn_sinks, io["C"], io["S"], self.scale)
         return self.attn_output_b.matmul(self._grouped_output_a(o)), st
@@ -368,7 +390,7 @@ class Attention:
             k = self.indexer.top_k if self.indexer is not None else 0
             if self.indexer is not None and nmax > k:
                 Ci, Si = self.rope.tables(pq, self.indexer.head_dim)
-                scores = self.indexer.scores(qr, n, Ci, Si, cache.index[:nmax])  # [Tb, Nc]
+                scores = self.indexer.scores(qr, self.indexer.head_weights(n), Ci, Si, cache.index[:nmax])  # [Tb, Nc]
                 sel = select_top_k(scores, n_visible, k)  # [Tb, Nc]
                 if Tb == 1 or nmax >= GATHER_MIN_ROWS_PER_K * k:
                     # Attend to each query's k selected rows only (queries seeing < k rows get a mask).

@@ -105,7 +105,7 @@ class Compressor:
         T = n.shape[0]
         if T == 1:
             io = self.decode_inputs(pos)
-            row, kv, sc = self.decode(n, state.kv, state.score, io, complete=(pos + 1) % r == 0)
+            row, kv, sc = self.decode(self.project(n), state.kv, state.score, io, complete=(pos + 1) % r == 0)
             return row, CompressorState(kv, sc)
         kv_cur, sc_cur = self.project(n)  # [T, w] each
         sc_cur = sc_cur + self._ape_rows(pos, T)
@@ -152,15 +152,16 @@ class Compressor:
         return {"at": index_array(k + (r if self.coff == 2 else 0)), "ape": self._ape_row[k], "C": C, "S": S}
 
     def decode(
-        self, n: mx.array, kv: mx.array, score: mx.array, io: dict[str, mx.array], complete: bool
+        self, proj: tuple[mx.array, mx.array], kv: mx.array, score: mx.array, io: dict[str, mx.array], complete: bool
     ) -> tuple[mx.array | None, mx.array, mx.array]:
-        """One token ``n [1, E]``: write it into its frontier row; pool when it ``complete``s a window.
+        """One token, given as its projections ``proj = (kv, gate)`` ``[1, w]`` each (:meth:`project`): write it
+        into its frontier row; pool when it ``complete``s a window.
 
         A pure function of arrays (``io`` from :meth:`decode_inputs`), so a decode step can be compiled; same
         math as the chunked path. Returns ``(row [1, hd] or None, new kv, new score)``.
         """
         r, w = self.ratio, self.width
-        kv_row, score_row = self.project(n)
+        kv_row, score_row = proj
         kv = mx.slice_update(kv, kv_row, io["at"], axes=(0,))  # [coff*r, w]
         score = mx.slice_update(score, score_row + io["ape"], io["at"], axes=(0,))
         if not complete:

@@ -38,10 +38,15 @@ class Indexer:
             cfg, il, weights, "indexer_compressor", self.head_dim, 4, rope, lambda c: indexer_row(c, numerics)
         )
 
-    def scores(self, qr: mx.array, n: mx.array, C: mx.array, S: mx.array, keys: mx.array) -> mx.array:
-        """``score [T, N]`` of the indexer rows ``keys [N, 128]``; ``C, S [T, 128]`` are the queries' RoPE tables."""
+    def head_weights(self, n: mx.array) -> mx.array:
+        """``indexer.proj @ n`` for the normed input ``n [T, E]`` -> ``[T, H_i]`` (unscaled)."""
+        return self.wproj.matmul(n)
+
+    def scores(self, qr: mx.array, hw: mx.array, C: mx.array, S: mx.array, keys: mx.array) -> mx.array:
+        """``score [T, N]`` of the indexer rows ``keys [N, 128]``; ``hw`` = :meth:`head_weights`, ``C, S [T, 128]``
+        the queries' RoPE tables."""
         iq = index_query(self.wq_b.matmul(qr), C, S, self.n_head, self.numerics.indexer_qat)  # [T, H_i, 128]
-        w = self.wproj.matmul(n) * self.scale  # [T, H_i]
+        w = hw * self.scale  # [T, H_i]
         # The head sum as multiply + reduce, not a [1, H_i] @ [H_i, N] product: in a decode step that is one
         # fused elementwise op and a reduction instead of two ops and a cuBLAS call (~40 µs of host time each).
         return (mx.maximum(iq @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)  # [T, H_i, N] -> [T, N]
