@@ -1,8 +1,8 @@
 """Fused kernels of the model graph (``ds4_mlx.kernels.fused``): hyper-connections, the KV compressor, and the
 decode step's attention, Q/KV rows, router and indexer.
 
-Write-once bodies next to the quant kernels, rendered with the same macro layer and prologues
-(:func:`ds4_mlx.kernels.render_prelude`, ``METAL_PROLOGUE`` / ``CUDA_PROLOGUE``) plus ``fused.h``:
+Write-once bodies next to the quant kernels, rendered like them (:func:`ds4_mlx.kernels.render_source`:
+prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) plus ``fused.h``:
 
 - ``hc_pre.body``: HC pre (MODEL.md §4.3) in one launch, one threadgroup per token (prefill); for decode-sized
   T, ``hc_mix.body`` first spreads the mixing matvec over many threadgroups and hc_pre sums its partials.
@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from . import CUDA_PROLOGUE, METAL_PROLOGUE, _params, _read, minify, render_prelude
+from . import _params, _read, render_prelude, render_source
 
 #: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E).
 HC_PRE_THREADS = 256
@@ -117,12 +117,6 @@ def render_fused_header(backend: str) -> str:
     return render_prelude(backend) + _read("fused.h")
 
 
-def render_fused_source(kind: str, backend: str) -> str:
-    """Backend prologue (names the thread attributes) plus the shared body."""
-    prologue = {"metal": METAL_PROLOGUE, "cuda": CUDA_PROLOGUE}[backend]
-    return minify(prologue) + _read(f"{kind}.body")
-
-
 @lru_cache(maxsize=None)
 def get_fused_kernel(kind: str, backend: str):
     """Build fused kernel ``kind`` once per backend (MLX caches each template specialization)."""
@@ -131,7 +125,7 @@ def get_fused_kernel(kind: str, backend: str):
         name=f"ds_{kind}",
         input_names=[n for n, _ in spec.inputs],
         output_names=list(spec.outputs),
-        source=render_fused_source(kind, backend),
+        source=render_source(kind, backend),
         header=render_fused_header(backend),
     )
     if backend == "metal":
@@ -181,7 +175,7 @@ def render_cuda_unit(insts: list[tuple[str, tuple]]) -> str:
             f"namespace ds_fu{i} {{\n{render_fused_header('cuda')}\n"
             f"namespace mlx {{ namespace core {{ namespace cu {{ namespace cg = cooperative_groups;\n"
             f"__global__ void custom_kernel_ds_{tag(kind, template)}({params}) {{\n{consts}"
-            f"{render_fused_source(kind, 'cuda')}\n}}\n}}}}}}\n}}\n"
+            f"{render_source(kind, 'cuda')}\n}}\n}}}}}}\n}}\n"
         )
     return "\n".join(parts)
 
@@ -566,7 +560,7 @@ def index_query(
 ) -> mx.array:
     """The indexer's query heads (MODEL.md §4.7) -> ``[T, n_head, 128]``: RoPE of ``qb [T, n_head*128]``
     (indexer.attn_q_b output) with the tokens' tables ``C, S [T, 128]``, then, with ``qat``, Hadamard-128 and
-    the FP4 round trip (``numerics.indexer_query``)."""
+    the FP4 round trip (``numerics.indexer_qat``)."""
     from ds4_mlx.model.rope import apply_rope
     from ds4_mlx.numerics import HADAMARD_DIM, indexer_qat
 

@@ -129,7 +129,7 @@ def test_cuda_check_catches_errors(tmp_path):
 
 def test_rendered_sources_share_one_body():
     for kind in fused.SPECS:
-        m, c = fused.render_fused_source(kind, "metal"), fused.render_fused_source(kind, "cuda")
+        m, c = kernels.render_source(kind, "metal"), kernels.render_source(kind, "cuda")
         assert m[len(kernels.minify(kernels.METAL_PROLOGUE)):] == c[len(kernels.minify(kernels.CUDA_PROLOGUE)):]
     assert fused.render_fused_header("metal").replace("DS_METAL", "DS_CUDA", 1) == fused.render_fused_header("cuda")
 
