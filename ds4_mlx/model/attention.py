@@ -235,6 +235,8 @@ class Attention:
             self.compressor.wkv_gate, self.indexer.wproj, self.indexer.compressor.wkv_gate = self.n_f16.split_rows(
                 [w.out_features for w in parts]
             )
+            cw, iw = self.compressor.width, self.indexer.compressor.width
+            self.n_f16_cols = (cw, cw, self.indexer.n_head, iw, iw)  # kv, gate, head weights, kv, gate
 
     # --- the sublayer -----------------------------------------------------------------------------------
 
@@ -332,8 +334,7 @@ class Attention:
             window = mx.concatenate([raw[raw.shape[0] - keep :].astype(self.kv_dtype), window])
         st = dict(st, raw=window)
         if self.n_f16 is not None:  # one matvec for the compressors' and the indexer's projections of n
-            cw, iw = self.compressor.width, self.indexer.compressor.width
-            ckv, cg, hw, ikv, ig = _split(self.n_f16.matmul(n), (cw, cw, self.indexer.n_head, iw, iw))
+            ckv, cg, hw, ikv, ig = _split(self.n_f16.matmul(n), self.n_f16_cols)
             comp_proj, index_proj = (ckv, cg), (ikv, ig)
         elif r:
             comp_proj = self.compressor.project(n)
