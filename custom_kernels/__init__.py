@@ -8,7 +8,8 @@ once per backend, validates inputs and picks grid and threadgroup. :class:`ds4_m
 
 Kernels:
 - ``mv``: decode matvec for a few tokens, dense or expert-gathered (``mul_mv_id``): f32 activations, weights
-  decoded exactly in registers, f32 accumulation (QUANTS.md §2.5).
+  decoded exactly in registers, f32 accumulation (QUANTS.md §2.5); epilogues for the MoE (the SwiGLU of gate
+  and up read in one launch, the sum of a token's routed experts).
 - ``mm``: tiled prefill matmul, dense or expert-gathered (``mul_mm_id`` over a sorted pair list): bf16 tiles,
   f32 accumulation (QUANTS.md §8 ruling 2).
 - Q8_0 2-D weights can instead run through MLX's own affine 8-bit kernels after a lossless repack
@@ -55,9 +56,14 @@ MM_BN_GATHER = 32
 MM_BN_CHOICES = (16, 32, 64)
 #: Up to this many tokens, dense and gathered products use the matvec kernel.
 MV_MAX_TOKENS = 8
+#: Matvec epilogues (mv.body ``EPI``): plain, SwiGLU of two weights (gate, up), sum over each token's experts.
+MV_PLAIN, MV_SWIGLU, MV_SUM = 0, 1, 2
+MV_EPILOGUES = (MV_PLAIN, MV_SWIGLU, MV_SUM)
+#: Types the SwiGLU epilogue takes (F32 rows of two weights would not fit CUDA's 48 KB of static shared memory).
+MV_SWIGLU_TYPES = tuple(t for t in KERNEL_TYPES if t != QT.F32)
 
 INPUTS = {
-    "mv": ["w", "x", "ids", "params"],
+    "mv": ["w", "x", "ids", "params", "w2", "aux"],
     "mm": ["w", "x", "ids", "tiles", "params"],
 }
 
@@ -156,11 +162,43 @@ def render_source(kind: str, backend: str) -> str:
     return minify(prologue) + _read(f"{kind}.body")
 
 
+def kernel_cache_dir() -> Path:
+    """Where the CUDA launches' rendered headers and bodies are written (``$XDG_CACHE_HOME/ds4-mlx/kernels``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ds4-mlx" / "kernels"
+
+
+def as_include(text: str) -> str:
+    """CUDA: ``text`` as an ``#include`` of a file named by its content hash, which NVRTC reads from disk.
+
+    MLX-CUDA hashes a kernel's whole source at every launch (benchmarks/RESULTS.md), so the launched source is
+    kept to one line per part. The name changes with the content, so MLX's on-disk PTX cache, keyed by that
+    source, never serves a stale build. Returns ``text`` itself where the file cannot be written.
+    """
+    path = kernel_cache_dir() / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.h"
+    if any(c in str(path) for c in '"\\\n'):
+        return text
+    try:
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)  # atomic: a concurrent process reads the old file or the new one
+    except OSError:
+        return text
+    return f'#include "{path}"\n'
+
+
+def launch_text(header: str, source: str, backend: str) -> tuple[str, str]:
+    """The ``header`` and ``source`` handed to MLX: as rendered on Metal (its runtime compiler reads no
+    files), one ``#include`` line each on CUDA (:func:`as_include`)."""
+    return (as_include(header), as_include(source)) if backend == "cuda" else (header, source)
+
+
 @lru_cache(maxsize=None)
 def get_kernel(kind: str, backend: str, iq2_grid: bool = True):
     """Build kernel ``kind`` for ``backend`` once (MLX caches each template specialization); ``iq2_grid``: the
     launches read IQ2_XXS weights."""
-    header, source = render_header(kind, backend, iq2_grid), render_source(kind, backend)
+    header, source = launch_text(render_header(kind, backend, iq2_grid), render_source(kind, backend), backend)
     if backend == "metal":
         return mx.fast.metal_kernel(
             name=f"ds_{kind}", input_names=INPUTS[kind], output_names=["y"], source=source, header=header
@@ -188,15 +226,18 @@ class Instantiation:
         return dict(self.template)["QT"] == QT.IQ2_XXS
 
 
-def mv_config(qtype: QT, n_out: int, n_pairs: int) -> tuple[int, int, int]:
-    """(NR, NSG, KS) of a matvec launch: the type's tuning, K split when the launch is small."""
+def mv_config(qtype: QT, n_out: int, n_pairs: int, epi: int = 0) -> tuple[int, int, int]:
+    """(NR, NSG, KS) of a matvec launch: the type's tuning, K split when the launch is small. The SwiGLU
+    epilogue reads two weights, so it stages NR/2 rows of each (the same bytes per simdgroup)."""
     nr, nsg = MV_CONFIG[QT(qtype)]
+    if epi == MV_SWIGLU:
+        nr = max(1, nr // 2)
     groups = -(-n_out // (nr * nsg)) * n_pairs
     return nr, nsg, (nsg if groups < MV_KSPLIT_BELOW else 1)
 
 
-def mv_template(qtype: QT, gather: bool, nr: int, nsg: int, ks: int) -> tuple:
-    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks))
+def mv_template(qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = 0) -> tuple:
+    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks), ("EPI", epi))
 
 
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
@@ -207,16 +248,21 @@ def instantiations() -> list[Instantiation]:
     """Every specialization the dispatcher can launch (the compile-check matrix)."""
     out = []
     for qt in KERNEL_TYPES:
-        nr, nsg = MV_CONFIG[qt]
+        nsg = MV_CONFIG[qt][1]
         for gather in (False, True):
-            for ks in (1, nsg):
-                out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks)))
+            for epi in MV_EPILOGUES:
+                if (epi == MV_SUM and not gather) or (epi == MV_SWIGLU and qt not in MV_SWIGLU_TYPES):
+                    continue
+                nr = mv_config(qt, 1, 1, epi)[0]
+                for ks in (1, nsg):
+                    out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi)))
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
     return out
 
 
-_CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_t", "params": "int32_t"}
+_CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_t", "params": "int32_t",
+                "w2": "uint8_t", "aux": "float"}
 
 
 def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
@@ -253,23 +299,22 @@ def _params(*vals: int) -> mx.array:
 
 
 def _pad_ids(ids: mx.array, backend: str) -> mx.array:
-    """Metal turns inputs of < 8 elements into `constant` pointers: give index inputs ≥ 8 there."""
+    """Index input: flat int32, padded for Metal (:func:`_pad8`)."""
     ids = ids.reshape(ids.size)  # explicit: reshape(-1) adds a graph node even when nothing changes
-    if ids.dtype != mx.int32:
-        ids = ids.astype(mx.int32)
-    if backend != "metal" or ids.size >= 8:
-        return ids
-    return mx.concatenate([ids, mx.zeros((8 - ids.size,), dtype=mx.int32)])
+    return _pad8(ids if ids.dtype == mx.int32 else ids.astype(mx.int32), backend)
 
 
-_DUMMY = None
+def _pad8(a: mx.array, backend: str) -> mx.array:
+    """Metal turns inputs of < 8 elements into `constant` pointers: give small 1-D inputs ≥ 8 there."""
+    if backend != "metal" or a.size >= 8:
+        return a
+    return mx.concatenate([a, mx.zeros((8 - a.size,), dtype=a.dtype)])
 
 
-def _dummy() -> mx.array:
-    global _DUMMY
-    if _DUMMY is None:
-        _DUMMY = mx.zeros((8,), dtype=mx.int32)
-    return _DUMMY
+@lru_cache(maxsize=None)
+def _dummy(dtype: mx.Dtype = mx.int32) -> mx.array:
+    """An 8-element stand-in for an input a launch does not read."""
+    return mx.array(np.zeros(8, dtype={mx.int32: np.int32, mx.uint8: np.uint8, mx.float32: np.float32}[dtype]))
 
 
 def weight_bytes(qw) -> mx.array:
@@ -288,43 +333,62 @@ def supports(qw) -> bool:
 
 def mv(
     qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
+    clamp: float = 0.0,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
+    Epilogues (mv.body): ``MV_SWIGLU`` reads ``w2`` (the up weight, same type and shape) next to ``qw`` (gate)
+    and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
+    ``MV_SUM`` (gathered) returns ``[P/k, out]``, each token's k products summed, plus ``aux`` if given.
     ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG).
     """
     gather = ids is not None
+    if epi == MV_SWIGLU and (
+        w2 is None or (w2.shape, w2.qtype) != (qw.shape, qw.qtype) or qw.qtype not in MV_SWIGLU_TYPES
+    ):
+        raise ValueError(f"mv: the SwiGLU epilogue needs an up weight like {qw!r} of a type in MV_SWIGLU_TYPES")
     P = ids.size if gather else x2.shape[0]
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
-    key = ("mv", backend, P, x2.shape[0], k_slots, gather, config)
-    plan = qw._cache.get(key)
+    key = (backend, P, x2.shape[0], k_slots, gather, config, epi, aux is not None, clamp)
+    plan = qw._cache.get(("mv",) + key)
     if plan is None:
-        plan = qw._cache[key] = _mv_plan(qw, backend, P, x2.shape[0], k_slots, gather, config)
+        plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
     wb, params, template, grid, threadgroup, out_shape = plan
     return get_kernel("mv", backend, qw.qtype == QT.IQ2_XXS)(
-        inputs=[wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params],
+        inputs=[
+            wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params,
+            _dummy(mx.uint8) if w2 is None else weight_bytes(w2),
+            _dummy(mx.float32) if aux is None else _pad8(aux.reshape(aux.size), backend),
+        ],
         template=template,
         grid=grid,
         threadgroup=threadgroup,
         output_shapes=[out_shape],
         output_dtypes=[mx.float32],
         init_value=init,  # tests pass NaN to catch unwritten outputs
-    )[0]
+    )[0]  # fmt: skip
 
 
-def _mv_plan(qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config) -> tuple:
+def _mv_plan(
+    qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: bool = False,
+    clamp: float = 0.0,
+) -> tuple:  # fmt: skip
     """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
     wb = weight_bytes(qw)
-    nr, nsg, ks = config or mv_config(qw.qtype, n_out, P)
+    nr, nsg, ks = config or mv_config(qw.qtype, n_out, P, epi)
     if nsg % ks:
         raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")
+    if epi == MV_SUM and (not gather or P % k_slots):
+        raise ValueError("mv: the sum epilogue needs a gathered launch of whole tokens")
     per_slot = int(gather and n_x == P and k_slots > 1)
-    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P)
+    clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
+    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux))
     groups = -(-n_out // (nr * nsg // ks))
-    template = list(mv_template(qw.qtype, gather, nr, nsg, ks))
-    return wb, params, template, (groups * 32 * nsg, 1, P), (32 * nsg, 1, 1), (P, n_out)
+    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi))
+    rows = P // k_slots if epi == MV_SUM else P
+    return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 
 def mm_dense(qw, x2: mx.array, backend: str, bn: int = MM_BN_DENSE, init=None) -> mx.array:

@@ -16,6 +16,8 @@ prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) 
 - ``index_q.body``: the indexer's query heads: RoPE, Hadamard-128 and FP4 (§4.7, §4.12) in one launch.
 - ``topk_rows.body``: the indexer's top-k rows of one decode token, ties to the lower row (§4.7), in one
   launch instead of MLX's topk + cumsum + argpartition + sort chain.
+- ``mv.body`` epilogues: the experts' SwiGLU of two weights (gate, up) and the sum of a token's routed experts
+  (§4.8), each one matvec launch instead of two or three MLX ops (:func:`expert_swiglu`, :func:`expert_down_sum`).
 - ``attn_one.body``: one decode token's attention over the raw window and its compressed (or selected) rows,
   with the sink softmax and the output's inverse RoPE (§4.4), in one launch instead of ~15 MLX ops.
 
@@ -35,7 +37,10 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from . import _params, _read, render_prelude, render_source
+from . import (
+    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, _params, _read, launch_text, mv, render_prelude, render_source,
+    supports,
+)
 
 #: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E).
 HC_PRE_THREADS = 256
@@ -121,12 +126,13 @@ def render_fused_header(backend: str) -> str:
 def get_fused_kernel(kind: str, backend: str):
     """Build fused kernel ``kind`` once per backend (MLX caches each template specialization)."""
     spec = SPECS[kind]
+    header, source = launch_text(render_fused_header(backend), render_source(kind, backend), backend)
     args = dict(
         name=f"ds_{kind}",
         input_names=[n for n, _ in spec.inputs],
         output_names=list(spec.outputs),
-        source=render_source(kind, backend),
-        header=render_fused_header(backend),
+        source=source,
+        header=header,
     )
     if backend == "metal":
         return mx.fast.metal_kernel(**args)
@@ -582,3 +588,53 @@ def index_query(
         output_shapes=[(T, n_head, D)],
         output_dtypes=[mx.float32],
     )[0]
+
+
+# --- MoE experts: matvec epilogues --------------------------------------------------------------------------
+
+
+def _mv_ok(b: str, T: int, *ws: Any) -> bool:
+    return b != "fallback" and 0 < T <= MV_MAX_TOKENS and all(supports(w) for w in ws)
+
+
+def expert_swiglu(
+    gate: Any, up: Any, x: mx.array, clamp: float, ids: mx.array | None = None, route_w: mx.array | None = None,
+    *, backend: str | None = None,
+) -> mx.array:  # fmt: skip
+    """The experts' clamped SwiGLU (MODEL.md §4.8): ``swiglu(gate·x, up·x, clamp)``, times ``route_w`` if given.
+
+    Dense (the shared expert): ``x [T, E]`` -> ``[T, F]``. Gathered (the routed experts, ``ids [T, k]``, route
+    weights ``[T, k]``): -> ``[T, k, F]``. For decode-sized T on the GPU one matvec launch reads both weights and
+    applies the activation; same results as :func:`ds4_mlx.model.moe.swiglu` over the two products.
+    """
+    from ds4_mlx.model.moe import swiglu
+
+    b, T = _pick(backend), x.shape[0]
+    if gate.shape != up.shape or gate.qtype != up.qtype:
+        raise ValueError(f"expert_swiglu: gate {gate.shape} {gate.qtype.name} and up {up.shape} {up.qtype.name} differ")
+    if not _mv_ok(b, T, gate) or gate.qtype not in MV_SWIGLU_TYPES:
+        g, u = (gate.matmul(x), up.matmul(x)) if ids is None else (gate.gather_matmul(x, ids), up.gather_matmul(x, ids))
+        mid = swiglu(g, u, clamp)
+        return mid if route_w is None else mid * route_w[..., None]
+    x2 = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    if ids is None:
+        return mv(gate, x2, b, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp))
+    k = ids.shape[1]
+    y = mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp))
+    return y.reshape(T, k, gate.shape[1])
+
+
+def expert_down_sum(
+    down: Any, mid: mx.array, ids: mx.array, add: mx.array | None = None, *, backend: str | None = None
+) -> mx.array:
+    """The routed experts' down projections summed per token (MODEL.md §4.8): ``mid [T, k, F]``, ``ids [T, k]``
+    -> ``sum_j down[ids[t, j]] @ mid[t, j]`` ``[T, E]``, plus ``add [T, E]`` (the shared expert) if given.
+    For decode-sized T on the GPU: one matvec launch instead of the gathered product, a reduction and an add."""
+    b, T = _pick(backend), mid.shape[0]
+    if not _mv_ok(b, T, down):
+        y = down.gather_matmul(mid, ids).sum(axis=1)
+        return y if add is None else y + add
+    k, F = ids.shape[1], down.shape[2]
+    x2 = mid.reshape(T * k, F)
+    x2 = x2 if x2.dtype == mx.float32 else x2.astype(mx.float32)
+    return mv(down, x2, b, ids=ids, k_slots=k, epi=MV_SUM, aux=add)

@@ -28,7 +28,8 @@ from ds4_mlx.weights import _kernels
 k = _kernels()
 def arrays(kind):
     common = dict(w=mx.zeros((64,), dtype=mx.uint8), x=mx.zeros((64,)), ids=mx.zeros((8,), dtype=mx.int32),
-                  tiles=mx.zeros((8,), dtype=mx.int32), params=mx.zeros((8,), dtype=mx.int32))
+                  tiles=mx.zeros((8,), dtype=mx.int32), params=mx.zeros((8,), dtype=mx.int32),
+                  w2=mx.zeros((64,), dtype=mx.uint8), aux=mx.zeros((8,)))
     return [common[n] for n in k.INPUTS[kind]]
 d = tempfile.mkdtemp()
 for i, inst in enumerate(k.instantiations()):
@@ -78,7 +79,7 @@ def test_instantiation_matrix_covers_every_type_and_kind():
         for g in (0, 1):
             nr, nsg = kernels.MV_CONFIG[qt]
             for ks in (1, nsg):  # both launch shapes the dispatcher picks (kernels.mv_config)
-                assert f"mv_QT{int(qt)}_NR{nr}_NSG{nsg}_GATHER{g}_KS{ks}" in tags
+                assert f"mv_QT{int(qt)}_NR{nr}_NSG{nsg}_GATHER{g}_KS{ks}_EPI0" in tags
             for bn in kernels.MM_BN_CHOICES:
                 assert f"mm_QT{int(qt)}_BN{bn}_GATHER{g}" in tags
 
@@ -127,6 +128,13 @@ def test_mv_launch_plan():
     assert np.array(params).tolist()[3:6] == [6, 0, 6]
     _, _, template, grid, _, _ = kernels._mv_plan(e, "cuda", 6, 1, 6, True, (nr, nsg, 1))  # forced unsplit
     assert dict(template)["KS"] == 1 and grid == (-(-64 // (nr * nsg)) * 32 * nsg, 1, 6)
+    # SwiGLU epilogue: NR/2 rows of each of the two weights, the clamp's f32 bits and the route-weight flag
+    _, params, template, grid, _, out = kernels._mv_plan(e, "cuda", 6, 1, 6, True, None, kernels.MV_SWIGLU, True, 10.0)
+    assert dict(template)["NR"] == nr // 2 and dict(template)["EPI"] == kernels.MV_SWIGLU and out == (6, 64)
+    assert np.array(params).tolist()[6:] == [int(np.float32(10.0).view(np.int32)), 1]
+    # sum epilogue: one output row (and grid z) per token, not per pair
+    _, _, template, grid, _, out = kernels._mv_plan(e, "cuda", 12, 12, 6, True, None, kernels.MV_SUM, False, 0.0)
+    assert dict(template)["EPI"] == kernels.MV_SUM and grid[2] == 2 and out == (2, 64)
 
 
 # --- source size: MLX hashes each custom kernel's whole source at every launch ---------------------------
@@ -174,13 +182,32 @@ def test_minified_kernel_files_keep_every_token(tmp_path):
 
 
 def test_kernel_sources_stay_small():
-    """Every launched kernel's source (header + body, as MLX hashes it at each launch) stays within a budget:
-    the IQ2 grid only where IQ2_XXS weights are read, block decoding only in the quant kernels."""
+    """Every Metal launch carries its rendered source (header + body, which MLX keys its kernels by) within a
+    budget: the IQ2 grid only where IQ2_XXS weights are read, block decoding only in the quant kernels."""
     for inst in kernels.instantiations():
-        size = len(kernels.render_header(inst.kind, "cuda", inst.iq2_grid)) + len(kernels.render_source(inst.kind, "cuda"))
-        assert size <= (20_000 if inst.iq2_grid else 13_000), (inst.tag, size)
+        size = len(kernels.render_header(inst.kind, "metal", inst.iq2_grid)) + len(kernels.render_source(inst.kind, "metal"))
+        assert size <= (21_000 if inst.iq2_grid else 14_000), (inst.tag, size)
     assert "0x" not in kernels.render_header("mv", "cuda", False).split("DS_IQ2_GRID_WORDS", 1)[1].split("\n", 1)[0]
     for kind in kernels.fused.SPECS:
-        size = len(kernels.fused.render_fused_header("cuda")) + len(kernels.render_source(kind, "cuda"))
+        size = len(kernels.fused.render_fused_header("metal")) + len(kernels.render_source(kind, "metal"))
         assert size <= 9_500, (kind, size)
         assert "ds_dot32" not in kernels.fused.render_fused_header("cuda")
+
+
+def test_cuda_launches_carry_one_include_line_per_part(tmp_path, monkeypatch):
+    """MLX-CUDA hashes the whole source at every launch: CUDA launches name content-hashed files instead."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    h, s = kernels.render_header("mv", "cuda", True), kernels.render_source("mv", "cuda")
+    lh, ls = kernels.launch_text(h, s, "cuda")
+    for line, text in ((lh, h), (ls, s)):
+        assert line.startswith('#include "') and line.count("\n") == 1 and len(line) < 200, line
+        path = Path(line.split('"')[1])
+        assert path.is_absolute() and path.parent == tmp_path / "ds4-mlx" / "kernels"
+        assert path.read_text() == text
+    assert kernels.launch_text(h + "\n", s, "cuda")[0] != lh  # new content, new name: no stale PTX cache hit
+    Path(lh.split('"')[1]).write_text("tampered")
+    assert kernels.launch_text(h, s, "cuda")[0] == lh and Path(lh.split('"')[1]).read_text() == h  # rewritten
+    assert kernels.launch_text(h, s, "metal") == (h, s)  # Metal's runtime compiler reads no files
+    (tmp_path / "not_a_dir").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not_a_dir"))
+    assert kernels.launch_text(h, s, "cuda") == (h, s)  # unwritable cache: the text itself
