@@ -183,6 +183,40 @@ def bench_gather_decode(qt: QT, E: int, o: int, i: int, n_tok: int = 1, k: int =
     report("gather-mv", qt.name, (n_tok, k, o, i), "ds4 mv_id", t, nb, **ratios)
 
 
+def bench_moe_epilogues(E: int = 256, F: int = 2048, D: int = 4096, k: int = 6, clamp: float = 10.0):
+    """The MoE decode sublayer's products, one token, as the model ran them before the matvec epilogues (the
+    plain launches plus MLX's swiglu / sum / add) and with them (fused.expert_swiglu / expert_down_sum).
+    Calls are queued back to back, so each time is the larger of the host's encode and the GPU's run."""
+    from ds4_mlx.kernels import fused
+    from ds4_mlx.model.moe import swiglu
+
+    gate, up = (QuantWeight(device_blocks(QT.IQ2_XXS, (E, F, D)), QT.IQ2_XXS, (E, F, D)) for _ in range(2))
+    down = QuantWeight(device_blocks(QT.Q2_K, (E, D, F)), QT.Q2_K, (E, D, F))
+    sg, su = (QuantWeight(device_blocks(QT.Q8_0, (F, D)), QT.Q8_0, (F, D)) for _ in range(2))
+    sgu = QuantWeight.stack_rows([sg, su])
+    rng, n = np.random.default_rng(0), 64
+    ids = [mx.array(rng.choice(E, k, replace=False)[None].astype(np.int32)) for _ in range(n)]
+    x, rw = mx.random.normal((1, D)), mx.random.uniform(shape=(1, k))
+    mid, add = mx.random.normal((1, k, F)) * 0.1, mx.random.normal((1, D))
+    mx.eval(x, rw, mid, add)
+    rows = [
+        ("routed gate+up+swiglu", 3, 1,
+         lambda j: swiglu(K.mv(gate, x, BACKEND, ids=ids[j].reshape(-1), k_slots=k),
+                          K.mv(up, x, BACKEND, ids=ids[j].reshape(-1), k_slots=k), clamp) * rw.reshape(k, 1),
+         lambda j: fused.expert_swiglu(gate, up, x, clamp, ids[j], rw, backend=BACKEND)),
+        ("routed down+sum+add", 3, 1,
+         lambda j: K.mv(down, mid.reshape(k, F), BACKEND, ids=ids[j].reshape(-1), k_slots=k).sum(axis=0) + add,
+         lambda j: fused.expert_down_sum(down, mid, ids[j], add, backend=BACKEND)),
+        ("shared gate+up+swiglu", 2, 1,
+         lambda j: (lambda gu: swiglu(gu[:, :F], gu[:, F:], clamp))(K.mv(sgu, x, BACKEND)),
+         lambda j: fused.expert_swiglu(sg, su, x, clamp, backend=BACKEND)),
+    ]
+    for name, ops_old, ops_new, old, new in rows:
+        t_old, t_new = timeit(old, n), timeit(new, n)
+        report("moe-epi", "q2", (1, k, F, D), name, t_new, ops=f"{ops_old}->{ops_new}", us_before=t_old * 1e6,
+               speedup=t_old / t_new)
+
+
 # --- prefill: dense tiled matmul and expert-gathered mm_id --------------------------------------------------
 
 
@@ -246,6 +280,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--json", type=str, default=None)
     ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--moe-only", action="store_true", help="only the MoE matvec epilogues against their op chains")
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: tiny shapes, fallback kernels")
     args = ap.parse_args()
     global BACKEND
@@ -262,6 +297,11 @@ def main():
     print(f"copy rate (read+write) {COPY / 1e12:.3f} TB/s", flush=True)
     ROWS.append(dict(section="copy", kernel="a + 1 (2 GiB u32)", **{"TB/s": COPY / 1e12}))
 
+    if args.moe_only:
+        bench_moe_epilogues()
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(copy_TBps=COPY / 1e12, rows=ROWS), indent=1, default=str))
+        return
     # Decode, dense: the Q8_0 projections, the LM head, and each expert type over a whole expert tensor.
     q8_shapes = [(1024, 4096), (32768, 1024), (2048, 4096), (4096, 8192), (129280, 4096)]
     if args.quick:

@@ -626,3 +626,102 @@ def test_index_query_kernel(T, H, qat):
     diff = np.abs(g - r)
     assert (diff > 0).mean() < 0.01, f"{(diff > 0).mean():.3%} of FP4 values differ"
     assert np.all(diff <= np.where(np.abs(r) < 2, 0.5, np.where(np.abs(r) < 4, 1.0, 2.0)) * 1.01)
+
+
+# --- MoE experts: matvec epilogues (SwiGLU of gate and up; sum of a token's experts) ------------------------
+
+
+def expert_weights(qt: QT, shape: tuple, n: int, seed: int) -> list[QuantWeight]:
+    from kernel_util import make_weight
+
+    rng = np.random.default_rng(seed)
+    return [make_weight(rng, qt, shape)[0] for _ in range(n)]
+
+
+def test_expert_epilogue_fallbacks_are_the_graph_code():
+    """On the fallback backend the wrappers are the MoE composition: two products + swiglu (× route weight),
+    one gathered product summed over the slots (+ the addend)."""
+    from ds4_mlx.model.moe import swiglu
+
+    rng = np.random.default_rng(5)
+    gate, up = expert_weights(QT.Q2_K, (8, 64, 256), 2, seed=5)
+    down = expert_weights(QT.Q8_0, (8, 256, 64), 1, seed=6)[0]
+    x = mx.array(rng.standard_normal((3, 256)).astype(np.float32))
+    ids = mx.array(rng.integers(0, 8, (3, 6)).astype(np.int32))
+    rw = mx.array(rng.uniform(0.1, 1.0, (3, 6)).astype(np.float32))
+    add = mx.array(rng.standard_normal((3, 256)).astype(np.float32))
+    mid = fused.expert_swiglu(gate, up, x, 0.03, ids, rw, backend="fallback")
+    ref = swiglu(gate.gather_matmul(x, ids), up.gather_matmul(x, ids), 0.03) * rw[..., None]
+    close(mid, ref, 0.0)
+    unclamped = swiglu(gate.gather_matmul(x, ids), up.gather_matmul(x, ids), 0.0) * rw[..., None]
+    assert float(mx.abs(ref - unclamped).max()) > 1e-3 * float(mx.abs(ref).max())  # the clamp bit
+    out = fused.expert_down_sum(down, mid, ids, add, backend="fallback")
+    close(out, down.gather_matmul(mid, ids).sum(axis=1) + add, 0.0)
+    with pytest.raises(ValueError, match="differ"):
+        fused.expert_swiglu(gate, down, x, 0.03, ids, rw)
+    f32 = QuantWeight.from_numpy(rng.standard_normal((4, 256)).astype(np.float32), QT.F32, (4, 256))
+    with pytest.raises(ValueError, match="SwiGLU epilogue"):  # checked before any kernel is built
+        kernels.mv(f32, x, "cuda", epi=kernels.MV_SWIGLU, w2=f32)
+    with pytest.raises(ValueError, match="sum epilogue"):
+        kernels.mv(down, x, "cuda", epi=kernels.MV_SUM)
+
+
+EXPERT_CASES = [  # qt, E experts, F, n_embd, T, k: small (K split, ragged rows) and the real V4 decode shape
+    (QT.IQ2_XXS, 16, 75, 256, 1, 6), (QT.Q2_K, 16, 75, 256, 3, 6), (QT.Q4_K, 16, 40, 512, 2, 4),
+    (QT.Q8_0, 8, 75, 256, 1, 6), (QT.F16, 8, 96, 128, 2, 6), (QT.IQ2_XXS, 32, 2048, 4096, 1, 6),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt,E,F,D,T,k", EXPERT_CASES, ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("clamp", [0.0, 0.02])
+def test_expert_swiglu_kernel(qt, E, F, D, T, k, clamp):
+    rng = np.random.default_rng(F + T + int(qt))
+    gate, up = expert_weights(qt, (E, F, D), 2, seed=int(qt) + F)
+    x = mx.array(rng.standard_normal((T, D)).astype(np.float32) * 0.05)  # pre-activations of a few units
+    ids = mx.array(rng.integers(0, E, (T, k)).astype(np.int32))
+    rw = mx.array(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
+    y = fused.expert_swiglu(gate, up, x, clamp, ids, rw, backend=BACKEND)
+    assert y.shape == (T, k, F)
+    g, u = on_cpu(lambda: (gate.gather_matmul(x, ids), up.gather_matmul(x, ids)))
+    swiglu_close(y, g, u, clamp, rw)
+    # dense (the shared expert): expert 0's matrices as 2-D weights; every row written (NaN-filled output)
+    g0, u0 = (QuantWeight(w.data[0], w.qtype, w.shape[1:]) for w in (gate, up))
+    y = kernels.mv(g0, x, BACKEND, epi=kernels.MV_SWIGLU, w2=u0, clamp=clamp, init=float("nan"))
+    swiglu_close(y, *on_cpu(lambda: (g0.matmul(x), u0.matmul(x))), clamp, None)
+
+
+def swiglu_close(y, g, u, clamp: float, rw) -> None:
+    """``y`` against float64 swiglu of the f32 pre-activations ``g, u`` (× ``rw``), element by element within
+    what the kernel's own f32 dot products may differ by (1e-6 of the largest pre-activation) carried
+    through the activation: clamping shrinks the outputs far below the pre-activations' scale."""
+    g, u = np.asarray(g, np.float64), np.asarray(u, np.float64)
+    w = np.ones(g.shape[:-1] + (1,)) if rw is None else np.asarray(rw, np.float64)[..., None]
+    delta = 1e-6 * max(np.abs(g).max(), np.abs(u).max())
+    if clamp > 0:
+        g, u = np.minimum(g, clamp), np.clip(u, -clamp, clamp)
+    silu = g / (1.0 + np.exp(-g))
+    ref = silu * u * w
+    bound = delta * (1.1 * np.abs(u) + np.abs(silu)) * w + 1e-7 * np.abs(ref).max()
+    y = np.asarray(y, np.float64)
+    assert np.isfinite(y).all() and y.shape == ref.shape
+    bad = np.abs(y - ref) > bound
+    assert not bad.any(), f"{bad.sum()} of {bad.size} outside the bound, max err {np.abs(y - ref).max():.3g}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt,E,F,D,T,k", EXPERT_CASES, ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("with_add", [False, True])
+def test_expert_down_sum_kernel(qt, E, F, D, T, k, with_add):
+    rng = np.random.default_rng(F + T + int(qt) + 1)
+    F = F if F % 256 == 0 else 256  # the down projection's input width: whole blocks of every type
+    (down,) = expert_weights(qt, (E, D, F), 1, seed=int(qt) + D)
+    mid = mx.array(rng.standard_normal((T, k, F)).astype(np.float32))
+    ids = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+    add = mx.array(rng.standard_normal((T, D)).astype(np.float32)) if with_add else None
+    y = kernels.mv(down, mid.reshape(T * k, F), BACKEND, ids=ids, k_slots=k, epi=kernels.MV_SUM, aux=add,
+                   init=float("nan"))  # fmt: skip
+    ref = on_cpu(fused.expert_down_sum, down, mid, ids, add, backend="fallback")
+    assert y.shape == (T, D)
+    close(y, ref, 1e-5)
+    close(fused.expert_down_sum(down, mid, ids, add, backend=BACKEND), ref, 1e-5)

@@ -95,8 +95,8 @@ def test_decode_step_launch_budget():
 
     On the H200 decode is host-bound: each launch costs ~7 µs of host time (benchmarks/RESULTS.md), so the
     count is the speed. 6 layers of the real pattern took 78-79 launches per layer (compiled step) before the
-    fused attention/QKV/top-k/router kernels, 47 after, and 38.8 once projections of one input share a matvec
-    (stacked rows); raise the budget only for a change that needs the ops.
+    fused attention/QKV/top-k/router kernels, 47 after, 38.8 once projections of one input share a matvec
+    (stacked rows), 33.8 with the MoE matvec epilogues; raise the budget only for a change that needs the ops.
     """
     import importlib.util
     from pathlib import Path
@@ -107,7 +107,7 @@ def test_decode_step_launch_budget():
     spec.loader.exec_module(gc)
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
     assert res["compiled"] and res["kernel_launches"] >= 6 * 18  # the custom kernels were on the path
-    assert res["launches_per_layer"] <= 40, res
+    assert res["launches_per_layer"] <= 35, res
 
 
 def test_kernel_profile_reads_ncu_csv(tmp_path, capsys):

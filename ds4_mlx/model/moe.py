@@ -14,8 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import moe_route
-from ..weights import QuantWeight
+from ..kernels.fused import expert_down_sum, expert_swiglu, moe_route
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
 RANK_MAX_ELEMS = 1 << 25  # largest [T, N, N] comparison block of the top-k selection
@@ -114,10 +113,8 @@ class MoE:
         self.ffn_gate_exps = weights[p + "ffn_gate_exps.weight"]  # [n_expert, F, E]
         self.ffn_up_exps = weights[p + "ffn_up_exps.weight"]  # [n_expert, F, E]
         self.ffn_down_exps = weights[p + "ffn_down_exps.weight"]  # [n_expert, E, F]
-        gate_sh = weights[p + "ffn_gate_shexp.weight"]  # [F, E]
-        self.n_ff_shexp = gate_sh.out_features
-        # gate and up rows stacked: one matvec of the normed input gives both [2F, E]
-        self.ffn_gate_up_shexp = QuantWeight.stack_rows([gate_sh, weights[p + "ffn_up_shexp.weight"]])
+        self.ffn_gate_shexp = weights[p + "ffn_gate_shexp.weight"]  # [F, E]
+        self.ffn_up_shexp = weights[p + "ffn_up_shexp.weight"]  # [F, E]
         self.ffn_down_shexp = weights[p + "ffn_down_shexp.weight"]  # [E, F]
 
     def route(self, n: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
@@ -131,21 +128,19 @@ class MoE:
         sel = self.ffn_gate_tid2eid[tok].astype(mx.int32)  # [T, k]
         return sel, route_weights(mx.take_along_axis(sqrt_softplus(logits), sel, axis=-1), scale, norm)
 
-    def routed(self, n: mx.array, sel: mx.array, w: mx.array) -> mx.array:
-        """Routed experts: ``sum_i W_down[e_i] (swiglu(W_gate[e_i] n, W_up[e_i] n) * w_i)`` -> [T, E]."""
-        g = self.ffn_gate_exps.gather_matmul(n, sel)  # [T, k, F]
-        u = self.ffn_up_exps.gather_matmul(n, sel)  # [T, k, F]
-        mid = swiglu(g, u, self.clamp) * w[..., None]  # route weight before down (ds4)
-        return self.ffn_down_exps.gather_matmul(mid, sel).sum(axis=1)  # [T, k, E] -> [T, E]
+    def routed(self, n: mx.array, sel: mx.array, w: mx.array, add: mx.array | None = None) -> mx.array:
+        """Routed experts: ``sum_i W_down[e_i] (swiglu(W_gate[e_i] n, W_up[e_i] n) * w_i)`` (+ ``add``) -> [T, E]."""
+        # route weight before down (ds4); on the GPU each line is one matvec launch for decode
+        mid = expert_swiglu(self.ffn_gate_exps, self.ffn_up_exps, n, self.clamp, sel, w)  # [T, k, F]
+        return expert_down_sum(self.ffn_down_exps, mid, sel, add)  # [T, E]
 
     def shared(self, n: mx.array) -> mx.array:
         """Shared expert with the same clamped SwiGLU -> [T, E]."""
-        gu, F = self.ffn_gate_up_shexp.matmul(n), self.n_ff_shexp  # [T, 2F]
-        mid = swiglu(gu[:, :F], gu[:, F:], self.clamp)  # [T, F]
+        mid = expert_swiglu(self.ffn_gate_shexp, self.ffn_up_shexp, n, self.clamp)  # [T, F]
         return self.ffn_down_shexp.matmul(mid)
 
     def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:
         """``x [T, E]`` = HC-pre output, ``tokens [T]`` the input ids -> ``y [T, E]`` (before HC post)."""
         n = mx.fast.rms_norm(x, self.ffn_norm, self.cfg.rms_eps)  # [T, E]
         sel, w = self.route(n, tokens)
-        return self.routed(n, sel, w) + self.shared(n)
+        return self.routed(n, sel, w, add=self.shared(n))
