@@ -163,8 +163,11 @@ def render_source(kind: str, backend: str) -> str:
 
 
 def kernel_cache_dir() -> Path:
-    """Where the CUDA launches' rendered headers and bodies are written (``$XDG_CACHE_HOME/ds4-mlx/kernels``)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ds4-mlx" / "kernels"
+    """Where the CUDA launches' rendered headers and bodies are written: ``kernels/`` in the package's cache
+    folder (:func:`ds4_mlx.demo.cache_dir`, e.g. ``~/.cache/ds4-mlx``)."""
+    from ds4_mlx.demo import cache_dir
+
+    return cache_dir() / "kernels"
 
 
 def as_include(text: str) -> str:

@@ -196,6 +196,7 @@ def test_kernel_sources_stay_small():
 
 def test_cuda_launches_carry_one_include_line_per_part(tmp_path, monkeypatch):
     """MLX-CUDA hashes the whole source at every launch: CUDA launches name content-hashed files instead."""
+    monkeypatch.delenv("DS4_MLX_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     h, s = kernels.render_header("mv", "cuda", True), kernels.render_source("mv", "cuda")
     lh, ls = kernels.launch_text(h, s, "cuda")
