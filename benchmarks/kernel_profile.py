@@ -1,13 +1,13 @@
 """GPU time of every kernel of one decode step, under NVIDIA Nsight Compute (CUDA only).
 
     ncu --graph-profiling node --metrics gpu__time_duration.sum --csv \
-        python benchmarks/kernel_profile.py [--layers 4] [--ctx 2100] > ncu.csv
+        python benchmarks/kernel_profile.py [--layers 4] [--ctx 2100] [--steps 1] > ncu.csv
     python benchmarks/kernel_profile.py --summarize ncu.csv
 
 The run builds ``--layers`` full-width layers (random q2 weights), prefills ``--ctx`` tokens in one chunk,
-decodes a few warm-up tokens, then one measured token between two launches of a marker kernel
-(``ds4_marker``). ``--summarize`` keeps the kernels between the markers and sums their GPU time by kernel
-name: what the device itself spends on a decode step, without the host's launch cost.
+decodes a few warm-up tokens, then ``--steps`` measured tokens, each between two launches of a marker kernel
+(``ds4_marker``). ``--summarize`` keeps the kernels between the last two markers and sums their GPU time by
+kernel name: what the device itself spends on a decode step, without the host's launch cost.
 
 ``--mv`` instead launches the decode matvec once per projection shape (benchmarks/decode_profile.py's list
 without the LM head), each after a marker; ``--compare-mv NEW.csv OLD.csv`` prints each shape's GPU time
@@ -37,7 +37,7 @@ def marker() -> None:
               output_dtypes=[mx.float32])[0])
 
 
-def run(layers: int, ctx: int) -> None:
+def run(layers: int, ctx: int, steps: int = 1) -> None:
     from ds4_mlx.model.model import Model
     from ds4_mlx.random_model import random_weights, shape_config
     from ds4_mlx.session import Session
@@ -49,8 +49,9 @@ def run(layers: int, ctx: int) -> None:
     tok = int(mx.argmax(sess.logits).item())
     for _ in range(4):
         tok = int(mx.argmax(sess.step(tok)).item())
-    marker()
-    mx.eval(sess.step(tok))
+    for _ in range(steps):  # each measured step between two markers
+        marker()
+        tok = int(mx.argmax(sess.step(tok)).item())
     marker()
 
 
@@ -94,10 +95,18 @@ def kernel_times(path: Path) -> list[tuple[str, float]]:
 
 
 def summarize(path: Path) -> None:
+    """Per-kernel GPU time of the last marked step; with several marked steps (``--steps``), first each step's
+    total and its slowest launches, to tell one-off stalls from launches that are slow in every step."""
     times = kernel_times(path)
     marks = [i for i, (n, _) in enumerate(times) if MARKER in n]
     if len(marks) < 2:
         raise SystemExit(f"{path}: fewer than two {MARKER} kernels; was it written by ncu --csv around run()?")
+    if len(marks) > 2:
+        for s, (a, b) in enumerate(zip(marks, marks[1:])):
+            seg = times[a + 1 : b]
+            top = sorted(((us, i, n.split("(")[0]) for i, (n, us) in enumerate(seg)), reverse=True)[:3]
+            print(f"step {s}: {len(seg)} kernels, {sum(us for _, us in seg):.0f} us; slowest: "
+                  + ", ".join(f"#{i} {n[:40]} {us:.0f} us" for us, i, n in top))
     step = times[marks[-2] + 1 : marks[-1]]
     by = collections.defaultdict(lambda: [0, 0.0])
     for n, us in step:
@@ -132,6 +141,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=2100)
+    ap.add_argument("--steps", type=int, default=1, help="measured decode steps, each between two markers")
     ap.add_argument("--mv", action="store_true", help="instead: one launch of each decode matvec shape")
     ap.add_argument("--summarize", type=Path, default=None, help="an ncu --csv log of a decode step to summarize")
     ap.add_argument("--compare-mv", type=Path, nargs=2, metavar=("NEW", "OLD"), help="two ncu --csv logs of --mv")
@@ -141,4 +151,4 @@ if __name__ == "__main__":
     elif a.compare_mv:
         compare_mv(*a.compare_mv)
     else:
-        run_mv() if a.mv else run(a.layers, a.ctx)
+        run_mv() if a.mv else run(a.layers, a.ctx, a.steps)

@@ -133,6 +133,13 @@ def test_kernel_profile_reads_ncu_csv(tmp_path, capsys):
     kp.summarize(step)
     out = capsys.readouterr().out
     assert "3 kernels, 505 us" in out and "mv_a" in out  # the kernels between the last two markers
+    assert "step 0" not in out  # one marked step: no per-step lines
+    two = write("two.csv", [("ds4_marker", "ns", "1"), ("gather(a)", "us", "98"), ("mv_a(x)", "us", "2"),
+                            ("ds4_marker", "ns", "1"), ("gather(a)", "us", "1"), ("mv_a(x)", "us", "2"),
+                            ("ds4_marker", "ns", "1")])  # fmt: skip
+    kp.summarize(two)
+    out = capsys.readouterr().out
+    assert "step 0: 2 kernels, 100 us; slowest: #0 gather 98 us" in out and "step 1: 2 kernels, 3 us" in out
 
     n = len(kp.mv_shapes())
     new = write("new.csv", [r for i in range(n) for r in (("ds4_marker", "ns", "1"), (f"mv{i}", "us", "10"))])
