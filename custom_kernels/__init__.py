@@ -191,26 +191,25 @@ def as_include(text: str) -> str:
     return f'#include "{path}"\n'
 
 
-def launch_text(header: str, source: str, backend: str) -> tuple[str, str]:
-    """The ``header`` and ``source`` handed to MLX: as rendered on Metal (its runtime compiler reads no
-    files), one ``#include`` line each on CUDA (:func:`as_include`)."""
-    return (as_include(header), as_include(source)) if backend == "cuda" else (header, source)
+def build(name: str, input_names: list[str], output_names: list[str], header: str, source: str, backend: str):
+    """``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` of the rendered ``header`` and ``source``: the text
+    itself on Metal (its runtime compiler reads no files), one ``#include`` line each on CUDA
+    (:func:`as_include`)."""
+    if backend == "metal":
+        make = mx.fast.metal_kernel
+    elif backend == "cuda":
+        make, header, source = mx.fast.cuda_kernel, as_include(header), as_include(source)
+    else:
+        raise ValueError(f"no kernels for backend {backend!r}")
+    return make(name=name, input_names=input_names, output_names=output_names, source=source, header=header)
 
 
 @lru_cache(maxsize=None)
 def get_kernel(kind: str, backend: str, iq2_grid: bool = True):
     """Build kernel ``kind`` for ``backend`` once (MLX caches each template specialization); ``iq2_grid``: the
     launches read IQ2_XXS weights."""
-    header, source = launch_text(render_header(kind, backend, iq2_grid), render_source(kind, backend), backend)
-    if backend == "metal":
-        return mx.fast.metal_kernel(
-            name=f"ds_{kind}", input_names=INPUTS[kind], output_names=["y"], source=source, header=header
-        )
-    if backend == "cuda":
-        return mx.fast.cuda_kernel(
-            name=f"ds_{kind}", input_names=INPUTS[kind], output_names=["y"], source=source, header=header
-        )
-    raise ValueError(f"no kernels for backend {backend!r}")
+    header, source = render_header(kind, backend, iq2_grid), render_source(kind, backend)
+    return build(f"ds_{kind}", INPUTS[kind], ["y"], header, source, backend)
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,7 @@ class Instantiation:
         return dict(self.template)["QT"] == QT.IQ2_XXS
 
 
-def mv_config(qtype: QT, n_out: int, n_pairs: int, epi: int = 0) -> tuple[int, int, int]:
+def mv_config(qtype: QT, n_out: int, n_pairs: int, epi: int = MV_PLAIN) -> tuple[int, int, int]:
     """(NR, NSG, KS) of a matvec launch: the type's tuning, K split when the launch is small. The SwiGLU
     epilogue reads two weights, so it stages NR/2 rows of each (the same bytes per simdgroup)."""
     nr, nsg = MV_CONFIG[QT(qtype)]
@@ -239,7 +238,7 @@ def mv_config(qtype: QT, n_out: int, n_pairs: int, epi: int = 0) -> tuple[int, i
     return nr, nsg, (nsg if groups < MV_KSPLIT_BELOW else 1)
 
 
-def mv_template(qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = 0) -> tuple:
+def mv_template(qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN) -> tuple:
     return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks), ("EPI", epi))
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import (
-    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, _params, _read, launch_text, mv, render_prelude, render_source,
+    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, _params, _read, build, mv, render_prelude, render_source,
     supports,
 )
 
@@ -126,19 +126,8 @@ def render_fused_header(backend: str) -> str:
 def get_fused_kernel(kind: str, backend: str):
     """Build fused kernel ``kind`` once per backend (MLX caches each template specialization)."""
     spec = SPECS[kind]
-    header, source = launch_text(render_fused_header(backend), render_source(kind, backend), backend)
-    args = dict(
-        name=f"ds_{kind}",
-        input_names=[n for n, _ in spec.inputs],
-        output_names=list(spec.outputs),
-        source=source,
-        header=header,
-    )
-    if backend == "metal":
-        return mx.fast.metal_kernel(**args)
-    if backend == "cuda":
-        return mx.fast.cuda_kernel(**args)
-    raise ValueError(f"no fused kernels for backend {backend!r}")
+    return build(f"ds_{kind}", [n for n, _ in spec.inputs], list(spec.outputs), render_fused_header(backend),
+                 render_source(kind, backend), backend)  # fmt: skip
 
 
 def instantiations() -> list[tuple[str, tuple]]:

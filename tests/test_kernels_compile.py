@@ -196,19 +196,32 @@ def test_kernel_sources_stay_small():
 
 def test_cuda_launches_carry_one_include_line_per_part(tmp_path, monkeypatch):
     """MLX-CUDA hashes the whole source at every launch: CUDA launches name content-hashed files instead."""
+    import mlx.core as mx
+
     monkeypatch.delenv("DS4_MLX_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    made = {}
+    for b in ("metal", "cuda"):  # what kernels.build hands MLX's kernel makers
+        monkeypatch.setattr(mx.fast, f"{b}_kernel", lambda b=b, **kw: made.setdefault(b, kw))
+
+    def launch_text(h, s, backend):
+        made.pop(backend, None)
+        kernels.build("k", ["x"], ["y"], h, s, backend)
+        return made[backend]["header"], made[backend]["source"]
+
     h, s = kernels.render_header("mv", "cuda", True), kernels.render_source("mv", "cuda")
-    lh, ls = kernels.launch_text(h, s, "cuda")
+    lh, ls = launch_text(h, s, "cuda")
     for line, text in ((lh, h), (ls, s)):
         assert line.startswith('#include "') and line.count("\n") == 1 and len(line) < 200, line
         path = Path(line.split('"')[1])
         assert path.is_absolute() and path.parent == tmp_path / "ds4-mlx" / "kernels"
         assert path.read_text() == text
-    assert kernels.launch_text(h + "\n", s, "cuda")[0] != lh  # new content, new name: no stale PTX cache hit
+    assert launch_text(h + "\n", s, "cuda")[0] != lh  # new content, new name: no stale PTX cache hit
     Path(lh.split('"')[1]).write_text("tampered")
-    assert kernels.launch_text(h, s, "cuda")[0] == lh and Path(lh.split('"')[1]).read_text() == h  # rewritten
-    assert kernels.launch_text(h, s, "metal") == (h, s)  # Metal's runtime compiler reads no files
+    assert launch_text(h, s, "cuda")[0] == lh and Path(lh.split('"')[1]).read_text() == h  # rewritten
+    assert launch_text(h, s, "metal") == (h, s)  # Metal's runtime compiler reads no files
     (tmp_path / "not_a_dir").write_text("x")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not_a_dir"))
-    assert kernels.launch_text(h, s, "cuda") == (h, s)  # unwritable cache: the text itself
+    assert launch_text(h, s, "cuda") == (h, s)  # unwritable cache: the text itself
+    with pytest.raises(ValueError, match="no kernels for backend"):
+        kernels.build("k", ["x"], ["y"], h, s, "fallback")
