@@ -64,7 +64,7 @@ def layer_pieces(model: Model, il: int, cache, pos: int, tok: mx.array) -> dict:
         "hc_pre one threadgroup": lambda x: hc_pre(tie(S0, x), *L.hc_attn, cfg, split=False)[0],
         "hc_post": lambda x: hc_post(tie(S0, x), x, mx.ones((1, cfg.n_hc)), mx.ones((1, cfg.n_hc, cfg.n_hc)))[:, 0, :],
         "attention": lambda x: a(x, pos, cache.snapshot()),
-        "attn proj": lambda x: tie(x, a._project(x, *a.rope.tables([pos], a.head_dim))[2]),
+        "attn proj": lambda x: tie(x, a._project(x, *a.rope.tables([pos], a.head_dim))[1]),
         "attn output": lambda x: a.attn_output_b.matmul(
             a._grouped_output_a(tie(mx.ones((1, a.n_head, a.head_dim)), x))),
         "moe": lambda x: f(x, tok),

@@ -6,14 +6,18 @@ prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) 
 
 - ``hc_pre.body``: HC pre (MODEL.md §4.3) in one launch, one threadgroup per token (prefill); for decode-sized
   T, ``hc_mix.body`` first spreads the mixing matvec over many threadgroups and hc_pre sums its partials.
+  Optionally hc_pre also applies the sublayer's input RMSNorm, and hc_mix first the previous sublayer's HC
+  post (:func:`hc_post_pre`).
 - ``hc_post.body``: HC post (§4.9), ``S_new = post ⊗ y + Cᵀ S``.
 - ``comp_pool.body``: the compressor's window pooling, RMSNorm × weight and RoPE at the window start
   (§4.6 steps 4–6); the FP8/QAT/f16r simulations that follow stay in MLX.
+- ``comp_write.body``: one decode token's write into its compressor frontier (row and APE-biased score).
 - ``qkv_rows.body``: the query heads' RMS norm and RoPE, and the KV row's norm, RoPE, FP8 and f16 rounding
-  (§4.4, §4.12), in one launch instead of ~15 MLX ops.
+  (§4.4, §4.12), in one launch instead of ~15 MLX ops; in decode it also writes the new raw window.
 - ``moe_route.body``: the top-k router (sqrt-softplus, biased top-k with ds4's tie rule, normalized weights;
   §4.8) in one launch instead of ~10 MLX ops.
 - ``index_q.body``: the indexer's query heads: RoPE, Hadamard-128 and FP4 (§4.7, §4.12) in one launch.
+- ``index_scores.body``: the indexer's head-weighted ReLU scores of one decode token's visible rows (§4.7).
 - ``topk_rows.body``: the indexer's top-k rows of one decode token, ties to the lower row (§4.7), in one
   launch instead of MLX's topk + cumsum + argpartition + sort chain.
 - ``mv.body`` epilogues: the experts' SwiGLU of two weights (gate, up) and the sum of a token's routed experts
@@ -79,11 +83,16 @@ class KernelSpec:
 SPECS = {
     "hc_pre": KernelSpec(
         (("S", "float"), ("fnw", "uint32_t"), ("scale", "float"), ("base", "float"), ("epsv", "float"),
-         ("params", "int32_t"), ("part", "float")),
+         ("params", "int32_t"), ("part", "float"), ("nw", "float")),
         ("x_out", "post_out", "comb_out"),
-        ("NHC", "NITER", "TPB", "SPLIT"),
+        ("NHC", "NITER", "TPB", "SPLIT", "NORM"),
     ),
-    "hc_mix": KernelSpec((("S", "float"), ("fnw", "uint32_t"), ("params", "int32_t")), ("part",), ("NHC",)),
+    "hc_mix": KernelSpec(
+        (("S", "float"), ("fnw", "uint32_t"), ("params", "int32_t"), ("y", "float"), ("post", "float"),
+         ("comb", "float")),
+        ("part", "S_out"),
+        ("NHC", "POST"),
+    ),
     "hc_post": KernelSpec(
         (("S", "float"), ("y", "float"), ("post", "float"), ("comb", "float"), ("params", "int32_t")),
         ("S_out",),
@@ -94,6 +103,12 @@ SPECS = {
         ("row",),
         ("HD", "ROWS", "LANES"),
     ),
+    "comp_write": KernelSpec(
+        (("kv", "float"), ("score", "float"), ("kv_row", "float"), ("score_row", "float"), ("ape", "float"),
+         ("at", "int32_t"), ("params", "int32_t")),
+        ("kv_out", "score_out"),
+        (),
+    ),
     "attn_one": KernelSpec(
         (("q", "float"), ("raw", "half"), ("comp", "half"), ("idx", "int32_t"), ("sinks", "float"), ("rc", "float"),
          ("rs", "float"), ("counts", "int32_t"), ("fparams", "float")),
@@ -101,11 +116,19 @@ SPECS = {
         ("HD", "NSG", "USE_IDX", "KV16"),
     ),
     "qkv_rows": KernelSpec(
-        (("qb", "float"), ("kvb", "float"), ("norm", "float"), ("rc", "float"), ("rs", "float"), ("fparams", "float")),
+        (("qb", "float"), ("kvb", "float"), ("norm", "float"), ("rc", "float"), ("rs", "float"), ("fparams", "float"),
+         ("raw", "half"), ("wparams", "int32_t")),
         ("q", "kv"),
-        ("HD", "NH", "NOPE", "F16R"),
+        ("HD", "NH", "NOPE", "F16R", "WIN"),
+        ("float", "half"),
     ),
     "index_q": KernelSpec((("qb", "float"), ("rc", "float"), ("rs", "float")), ("q",), ("NH", "QAT")),
+    "index_scores": KernelSpec(
+        (("iq", "float"), ("w", "float"), ("keys", "float"), ("counts", "int32_t"), ("params", "int32_t"),
+         ("fparams", "float")),
+        ("scores",),
+        ("NH", "HD"),
+    ),
     "topk_rows": KernelSpec((("scores", "float"), ("counts", "int32_t")), ("idx",), ("NT",), ("int32_t",)),
     "moe_route": KernelSpec(
         (("logits", "float"), ("bias", "float"), ("fparams", "float")), ("sel", "w"), ("NE", "K", "NORM"),
@@ -132,16 +155,20 @@ def get_fused_kernel(kind: str, backend: str):
 
 def instantiations() -> list[tuple[str, tuple]]:
     """Specializations launched at the V4 and tiny shapes (the compile-check matrix): (kind, template)."""
-    out = [("hc_pre", (("NHC", 4), ("NITER", 20), ("TPB", tpb), ("SPLIT", 0))) for tpb in HC_PRE_TPB_CHOICES]
-    out += [("hc_pre", (("NHC", 4), ("NITER", 20), ("TPB", 1), ("SPLIT", 1))), ("hc_mix", (("NHC", 4),))]
+    out = [("hc_pre", (("NHC", 4), ("NITER", 20), ("TPB", tpb), ("SPLIT", 0), ("NORM", nm)))
+           for tpb in HC_PRE_TPB_CHOICES for nm in (0, 1)]  # fmt: skip
+    out += [("hc_pre", (("NHC", 4), ("NITER", 20), ("TPB", 1), ("SPLIT", 1), ("NORM", nm))) for nm in (0, 1)]
+    out += [("hc_mix", (("NHC", 4), ("POST", p))) for p in (0, 1)]
     out.append(("hc_post", (("NHC", 4),)))
     for hd, rows, lanes in ((512, 8, 2), (128, 8, 2), (512, 128, 1), (128, 16, 1), (128, 128, 1)):
         out.append(("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes))))
+    out.append(("comp_write", ()))
     for hd in (512, 128):
         out += [("attn_one", (("HD", hd), ("NSG", ATTN_NSG), ("USE_IDX", u), ("KV16", 1))) for u in (0, 1)]
+    out += [("index_scores", (("NH", 64), ("HD", 128))), ("index_scores", (("NH", 16), ("HD", 128)))]
     out.append(("topk_rows", (("NT", TOPK_THREADS),)))
-    out += [("qkv_rows", (("HD", 512), ("NH", 64), ("NOPE", 448), ("F16R", 1))),
-            ("qkv_rows", (("HD", 128), ("NH", 4), ("NOPE", 0), ("F16R", 0)))]  # fmt: skip
+    out += [("qkv_rows", (("HD", 512), ("NH", 64), ("NOPE", 448), ("F16R", 1), ("WIN", w))) for w in (0, 1)]
+    out += [("qkv_rows", (("HD", 128), ("NH", 4), ("NOPE", 0), ("F16R", 0), ("WIN", w))) for w in (0, 1)]
     out += [("index_q", (("NH", 64), ("QAT", 1))), ("index_q", (("NH", 16), ("QAT", 0)))]
     out += [("moe_route", (("NE", 256), ("K", 6), ("NORM", 1))), ("moe_route", (("NE", 16), ("K", 6), ("NORM", 0)))]
     return out
@@ -219,15 +246,37 @@ def _fn_pairs(fn: Any) -> mx.array | None:
 
 
 def hc_pre(
-    S: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg, *, backend: str | None = None, tpb: int | None = None,
-    split: bool | None = None,
+    S: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg, *, norm: mx.array | None = None,
+    backend: str | None = None, tpb: int | None = None, split: bool | None = None,
 ):  # fmt: skip
     """Fused HC pre (MODEL.md §4.3); same signature and results as :func:`ds4_mlx.model.hyper.hc_pre`.
 
     S ``[T, n_hc, E]`` f32; fn the F16 ``QuantWeight [2n+n², n*E]``; scale ``[3]``; base ``[2n+n²]``.
-    Returns ``x [T, E]``, ``post [T, n_hc]``, ``comb [T, n_hc, n_hc]``. ``tpb`` and ``split`` override the
-    launch choice (tests and benchmarks): ``split`` runs hc_mix first (default for T <= HC_PRE_SPLIT_MAX_T).
+    Returns ``x [T, E]``, ``post [T, n_hc]``, ``comb [T, n_hc, n_hc]``; with ``norm [E]`` the sublayer's
+    normed input ``rms_norm(x, norm, cfg.rms_eps)`` instead of ``x`` (one launch less). ``tpb`` and ``split``
+    override the launch choice (tests and benchmarks): ``split`` runs hc_mix first (default for
+    T <= HC_PRE_SPLIT_MAX_T).
     """
+    return _hc_pre(S, fn, scale, base, cfg, norm, None, backend, tpb, split)[1:]
+
+
+def hc_post_pre(
+    S: mx.array, y: mx.array, post: mx.array, comb: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg, *,
+    norm: mx.array | None = None, backend: str | None = None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:  # fmt: skip
+    """HC post of one sublayer then HC pre of the next: ``S' = hc_post(S, y, post, comb)``, then
+    ``hc_pre(S', fn, scale, base, cfg, norm=norm)`` -> ``(S', x or n, post', comb')``. For decode-sized T the
+    post runs inside the mix launch (one launch less)."""
+    b = _pick(backend)
+    _check_hc_post(S, y, post, comb)
+    if b == "fallback" or S.shape[0] > HC_PRE_SPLIT_MAX_T or _fn_pairs(fn) is None or S.shape[1] not in (1, 2, 4):
+        S = hc_post(S, y, post, comb, backend=b)
+        return (S, *hc_pre(S, fn, scale, base, cfg, norm=norm, backend=b))
+    return _hc_pre(S, fn, scale, base, cfg, norm, (y, post, comb), b, None, None)
+
+
+def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tuple:
+    """-> ``(S', x or n, post, comb)``; ``post_of = (y, post, comb)`` applies HC post to S first (split only)."""
     from ds4_mlx.model import hyper
 
     b = _pick(backend)
@@ -240,9 +289,12 @@ def hc_pre(
         raise ValueError(f"hc_pre: fn shape {tuple(fn.shape)}, expected {(mix, n_hc * E)}")
     _check_f32("hc_pre: scale", scale, (3,))
     _check_f32("hc_pre: base", base, (mix,))
+    if norm is not None:
+        _check_f32("hc_pre: norm", norm, (E,))
     fnw = _fn_pairs(fn)
     if b == "fallback" or fnw is None or n_hc not in (1, 2, 4) or T == 0:
-        return hyper.hc_pre(S, fn, scale, base, cfg)
+        x, post, comb = hyper.hc_pre(S, fn, scale, base, cfg)
+        return S, (x if norm is None else mx.fast.rms_norm(x, norm, cfg.rms_eps)), post, comb
     if split is None:
         split = tpb is None and T <= HC_PRE_SPLIT_MAX_T
     if tpb is None:
@@ -253,24 +305,30 @@ def hc_pre(
     part, G = _f32(0.0), 0
     if split:
         G = -(-(n_hc * E // 2) // HC_MIX_THREADS)
-        params = _params(E, T, G)
-        part = get_fused_kernel("hc_mix", b)(
-            inputs=[S, fnw, params],
-            template=[("NHC", n_hc)],
+        zero = _f32(0.0)
+        part, S_new = get_fused_kernel("hc_mix", b)(
+            inputs=[S, fnw, _params(E, T, G), *(post_of or (zero, zero, zero))],
+            template=[("NHC", n_hc), ("POST", int(post_of is not None))],
             grid=(G * HC_MIX_THREADS, T, 1),
             threadgroup=(HC_MIX_THREADS, 1, 1),
-            output_shapes=[(T, G, mix + 1)],
-            output_dtypes=[mx.float32],
-        )[0]
+            output_shapes=[(T, G, mix + 1), (T, n_hc, E) if post_of else (1,)],
+            output_dtypes=[mx.float32] * 2,
+        )
+        if post_of is not None:
+            S = S_new
+    elif post_of is not None:
+        raise ValueError("hc_pre: HC post runs inside the mix only with split")
     x, post, comb = get_fused_kernel("hc_pre", b)(
-        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G), part],
-        template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split))],
+        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G), part,
+                _f32(0.0) if norm is None else norm],  # fmt: skip
+        template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split)),
+                  ("NORM", int(norm is not None))],  # fmt: skip
         grid=(-(-T // tpb) * HC_PRE_THREADS, 1, 1),
         threadgroup=(HC_PRE_THREADS, 1, 1),
         output_shapes=[(T, E), (T, n_hc), (T, n_hc, n_hc)],
         output_dtypes=[mx.float32] * 3,
     )
-    return x, post, comb
+    return S, x, post, comb
 
 
 # --- HC post ----------------------------------------------------------------------------------------------
@@ -281,13 +339,8 @@ def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array, *, backend
     from ds4_mlx.model import hyper
 
     b = _pick(backend)
-    if S.ndim != 3:
-        raise ValueError(f"hc_post: S must be [T, n_hc, E], got shape {tuple(S.shape)}")
+    _check_hc_post(S, y, post, comb)
     T, n, E = S.shape
-    _check_f32("hc_post: S", S, (T, n, E))
-    _check_f32("hc_post: y", y, (T, E))
-    _check_f32("hc_post: post", post, (T, n))
-    _check_f32("hc_post: comb", comb, (T, n, n))
     tg = next((t for t in HC_POST_THREADS if E % t == 0), None)
     if b == "fallback" or tg is None or T == 0:
         return hyper.hc_post(S, y, post, comb)
@@ -299,6 +352,16 @@ def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array, *, backend
         output_shapes=[(T, n, E)],
         output_dtypes=[mx.float32],
     )[0]
+
+
+def _check_hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array) -> None:
+    if S.ndim != 3:
+        raise ValueError(f"hc_post: S must be [T, n_hc, E], got shape {tuple(S.shape)}")
+    T, n, E = S.shape
+    _check_f32("hc_post: S", S, (T, n, E))
+    _check_f32("hc_post: y", y, (T, E))
+    _check_f32("hc_post: post", post, (T, n))
+    _check_f32("hc_post: comb", comb, (T, n, n))
 
 
 # --- compressor window ------------------------------------------------------------------------------------
@@ -359,13 +422,58 @@ def compressor_pool(
     )[0]
 
 
+#: Threads per threadgroup of the compressor frontier write.
+COMP_WRITE_THREADS = 256
+
+
+def compressor_write(
+    kv: mx.array, score: mx.array, kv_row: mx.array, score_row: mx.array, ape: mx.array, at: mx.array,
+    *, backend: str | None = None,
+) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """One decode token into its compressor frontier (MODEL.md §4.6): ``kv[at] = kv_row``,
+    ``score[at] = score_row + ape`` -> the new ``(kv, score)`` ``[R, W]``. ``kv_row``, ``score_row``, ``ape``
+    are ``[1, W]`` f32, ``at`` int32 ``[1]`` (the frontier row)."""
+    b = _pick(backend)
+    if kv.ndim != 2:
+        raise ValueError(f"compressor_write: kv must be [R, W], got shape {tuple(kv.shape)}")
+    R, W = kv.shape
+    _check_f32("compressor_write: kv", kv, (R, W))
+    _check_f32("compressor_write: score", score, (R, W))
+    for name, a in (("kv_row", kv_row), ("score_row", score_row), ("ape", ape)):
+        _check_f32(f"compressor_write: {name}", a, (1, W))
+    if at.shape != (1,) or at.dtype != mx.int32:
+        raise ValueError(f"compressor_write: at must be int32 [1], got {tuple(at.shape)} {at.dtype}")
+    if b == "fallback":
+        return (mx.slice_update(kv, kv_row, at, axes=(0,)),
+                mx.slice_update(score, score_row + ape, at, axes=(0,)))  # fmt: skip
+    return tuple(get_fused_kernel("comp_write", b)(
+        inputs=[kv, score, kv_row, score_row, ape, at, _params(R, W)],
+        grid=(R * W, 1, 1),
+        threadgroup=(COMP_WRITE_THREADS, 1, 1),
+        output_shapes=[(R, W), (R, W)],
+        output_dtypes=[mx.float32, mx.float32],
+    ))  # fmt: skip
+
+
 # --- one-token attention ----------------------------------------------------------------------------------
 
 
+def resident(a: mx.array) -> mx.array:
+    """``a``, made from host data, as the output of a device op (lazy): for the per-step inputs of decode.
+
+    MLX-CUDA keeps arrays made from host data in managed memory, which the GPU page-faults in at first use:
+    under Nsight Compute the first kernel to read a step's new host arrays (RoPE rows, counts) took 100-300 µs
+    instead of 3 µs, every step (benchmarks/RESULTS.md). An op's output is device memory, faulted in once for
+    all the later steps that reuse the (cached) array. Elsewhere ``a`` itself.
+    """
+    return a * 1 if mx.default_device() == mx.gpu and mx.cuda.is_available() else a
+
+
+@lru_cache(maxsize=4096)
 def kernel_counts(a: int, b: int) -> mx.array:
     """The ``counts`` input of :func:`attend_one` and :func:`top_k_rows`: int32 ``[8] = (a, b, 0, ...)``, made
     on the host and cached, so a compiled step takes it as an input instead of baking the numbers into its trace."""
-    return _params(a, b)
+    return resident(_params(a, b))
 
 
 def attend_one(
@@ -429,7 +537,49 @@ def attend_one(
     )[0]  # fmt: skip
 
 
-# --- indexer top-k ----------------------------------------------------------------------------------------
+# --- indexer scores and top-k -----------------------------------------------------------------------------
+
+#: Threads per threadgroup of the indexer scores (one simdgroup per row), and the most threadgroups a launch
+#: uses (they stride over the rows: the grid follows the buffer's capacity, most of which may be unwritten).
+INDEX_SCORES_THREADS = 256
+INDEX_SCORES_MAX_GROUPS = 1024
+
+
+def index_scores_reference(iq: mx.array, w: mx.array, keys: mx.array, scale: float) -> mx.array:
+    """``score [T, N] = sum_h w[t, h] * scale * relu(keys . iq[t, h])`` for ``iq [T, H, D]``, ``w [T, H]``, ``keys [N, D]``."""
+    # The head sum as multiply + reduce, not a [1, H] @ [H, N] product: one fused elementwise op and a reduction
+    # instead of two ops and a cuBLAS call (~40 µs of host time each on MLX-CUDA).
+    return (mx.maximum(iq @ keys.T, 0.0) * (w * scale)[:, :, None]).sum(axis=1)
+
+
+def index_scores(
+    iq: mx.array, w: mx.array, keys: mx.array, counts: mx.array, scale: float, *, backend: str | None = None
+) -> mx.array:
+    """The indexer's scores of one decode token (MODEL.md §4.7) -> ``[1, N]``: ``iq [1, H, D]`` query heads,
+    ``w [1, H]`` head weights (times ``scale``), ``keys [N, D]`` the indexer rows, of which the first ``counts[0]``
+    are scored (``counts`` from :func:`kernel_counts`; the kernel writes 0 past them, the fallback scores all)."""
+    b = _pick(backend)
+    if iq.ndim != 3 or iq.shape[0] != 1:
+        raise ValueError(f"index_scores: iq must be [1, H, D], got shape {tuple(iq.shape)}")
+    _, H, D = iq.shape
+    N = keys.shape[0]
+    _check_f32("index_scores: iq", iq, (1, H, D))
+    _check_f32("index_scores: w", w, (1, H))
+    _check_f32("index_scores: keys", keys, (N, D))
+    if counts.shape != (8,) or counts.dtype != mx.int32:
+        raise ValueError(f"index_scores: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
+    if b == "fallback" or D % 32 or D > 256 or N == 0:
+        return index_scores_reference(iq, w, keys, scale)
+    nsg = INDEX_SCORES_THREADS // 32
+    G = min(-(-N // nsg), INDEX_SCORES_MAX_GROUPS)
+    return get_fused_kernel("index_scores", b)(
+        inputs=[iq, w, keys, counts, _params(N, G), _f32(float(scale))],
+        template=[("NH", H), ("HD", D)],
+        grid=(G * INDEX_SCORES_THREADS, 1, 1),
+        threadgroup=(INDEX_SCORES_THREADS, 1, 1),
+        output_shapes=[(1, N)],
+        output_dtypes=[mx.float32],
+    )[0]
 
 
 def top_k_rows(scores: mx.array, counts: mx.array, k: int, *, backend: str | None = None) -> mx.array:
@@ -471,6 +621,7 @@ def qkv_rows(
     *,
     nope_fp8: int = 0,
     f16r: bool = False,
+    window: tuple[mx.array, int, mx.dtype] | None = None,
     backend: str | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Query heads and KV row after their projections (MODEL.md §4.4, §4.12) -> ``q [T, n_head, D]``, ``kv [T, D]``.
@@ -478,6 +629,8 @@ def qkv_rows(
     ``qb [T, n_head*D]`` (attn_q_b output): per-head RMS norm (no weight), RoPE. ``kvb [T, D]`` (attn_kv output):
     RMS norm × ``norm [D]``, RoPE, then the FP8 round trip of the first ``nope_fp8`` dims (0: none) and f16
     rounding (``f16r``), as ds4 stores the row. ``C, S [T, D]``: the tokens' RoPE tables.
+    ``window = (raw, keep, dtype)`` (one token): instead of the row, the raw window after it,
+    ``concat(raw[-keep:], row)`` stored as ``dtype``, in the same launch.
     """
     from ds4_mlx.model.rope import apply_rope
     from ds4_mlx.numerics import f16r as round_f16, fp8_e4m3_round_trip
@@ -498,14 +651,27 @@ def qkv_rows(
         kv = apply_rope(mx.fast.rms_norm(kvb, norm, eps), C, S)
         if nope_fp8:
             kv = fp8_e4m3_round_trip(kv, nope_fp8)
-        return q, round_f16(kv) if f16r else kv
+        kv = round_f16(kv) if f16r else kv
+        if window is None:
+            return q, kv
+        raw, keep, dtype = window
+        kv = kv.astype(dtype)  # the row is f16-exact with f16r: cast the one row, not the f32 window
+        return q, mx.concatenate([raw[raw.shape[0] - keep :].astype(dtype), kv]) if keep else kv
+    if window is None:
+        raw, keep, dtype, wparams, rows = _f32(0.0), 0, mx.float32, _params(0, 0), T
+    else:
+        raw, keep, dtype = window
+        if T != 1 or raw.ndim != 2 or raw.shape[1] != D or not 0 <= keep <= raw.shape[0]:
+            raise ValueError(f"qkv_rows: window needs one token and raw [>= {keep}, {D}], got T={T}, {tuple(raw.shape)}")
+        raw = raw.astype(dtype)  # a no-op once the window is stored as dtype (a fresh cache starts f32)
+        wparams, rows = _params(raw.shape[0], keep), keep + 1
     return tuple(get_fused_kernel("qkv_rows", b)(
-        inputs=[qb, kvb, norm, C, S, _f32(float(eps))],
-        template=[("HD", D), ("NH", n_head), ("NOPE", nope_fp8), ("F16R", int(f16r))],
+        inputs=[qb, kvb, norm, C, S, _f32(float(eps)), raw, wparams],
+        template=[("HD", D), ("NH", n_head), ("NOPE", nope_fp8), ("F16R", int(f16r)), ("WIN", int(window is not None))],
         grid=(T * (n_head + 1) * D, 1, 1),
         threadgroup=(D, 1, 1),
-        output_shapes=[(T, n_head, D), (T, D)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_shapes=[(T, n_head, D), (rows, D)],
+        output_dtypes=[mx.float32, dtype],
     ))  # fmt: skip
 
 

@@ -82,7 +82,7 @@ from ds4_mlx.weights import _kernels
 _kernels()
 from ds4_mlx.kernels import fused
 DT = {"float": mx.float32, "uint32_t": mx.uint32, "int32_t": mx.int32, "half": mx.float16}
-SMALL = {("hc_post", "post"): 4, ("hc_pre", "scale"): 3}  # < 8 elements: Metal makes a `constant` pointer
+SMALL = {("hc_post", "post"): 4, ("hc_mix", "post"): 4, ("hc_pre", "scale"): 3}  # < 8 elements: Metal makes a `constant` pointer
 d = tempfile.mkdtemp()
 for i, (kind, template) in enumerate(fused.instantiations()):
     spec = fused.SPECS[kind]
@@ -99,14 +99,16 @@ for i, (kind, template) in enumerate(fused.instantiations()):
 
 def test_metal_instantiations_typecheck(tmp_path):
     sources = render_metal_sources(RENDER_METAL)
-    assert sorted(sources) == sorted(fused.tag(k, t) for k, t in fused.instantiations())
+    templates = {fused.tag(k, t): t for k, t in fused.instantiations()}
+    assert sorted(sources) == sorted(templates)
     for tag, src in sources.items():
-        assert "#define DS_METAL" in src and "[[kernel]]" in src and "template [[host_name(" in src
+        assert "#define DS_METAL" in src and "[[kernel]]" in src
+        assert ("template [[host_name(" in src) == bool(templates[tag])  # comp_write has no template
         assert "ds_lane = thread_index_in_simdgroup" in src
     assert "const constant float* post" in sources["hc_post_NHC4"]  # the decode case's small input
-    assert "const constant float* scale" in sources["hc_pre_NHC4_NITER20_TPB4_SPLIT0"]
-    assert "device float* comb_out" in sources["hc_pre_NHC4_NITER20_TPB1_SPLIT1"]
-    assert "device float* part" in sources["hc_mix_NHC4"]
+    assert "const constant float* scale" in sources["hc_pre_NHC4_NITER20_TPB4_SPLIT0_NORM0"]
+    assert "device float* comb_out" in sources["hc_pre_NHC4_NITER20_TPB1_SPLIT1_NORM1"]
+    assert "device float* part" in sources["hc_mix_NHC4_POST1"]
     r = gxx_metal_check(sources.values(), tmp_path, "fused_metal")
     assert r.returncode == 0, r.stderr[-6000:]
 
@@ -155,7 +157,13 @@ def test_hc_fallback_is_the_graph_code(monkeypatch):
         assert g.shape == r.shape and mx.array_equal(g, r)
     x, post, comb = ref
     y = mx.random.normal((3, 64), key=mx.random.key(2))
-    assert mx.array_equal(fused.hc_post(S, y, post, comb), hyper.hc_post(S, y, post, comb))
+    S2 = hyper.hc_post(S, y, post, comb)
+    assert mx.array_equal(fused.hc_post(S, y, post, comb), S2)
+    norm = mx.random.uniform(0.5, 1.5, (64,), key=mx.random.key(3))
+    got = fused.hc_post_pre(S, y, post, comb, fn, scale, base, cfg, norm=norm)
+    ref = (S2, *hyper.hc_pre(S2, fn, scale, base, cfg))
+    for g, r in zip(got, ref[:1] + (mx.fast.rms_norm(ref[1], norm, cfg.rms_eps),) + ref[2:]):
+        assert mx.array_equal(g, r)
     # and not trivially: comb is a non-uniform near-doubly-stochastic matrix, post in (0, 2)
     c = np.array(comb)
     assert np.allclose(c.sum(-2), 1, atol=1e-4) and c.std() > 1e-3 and 0 < float(post.min()) < 2
@@ -177,6 +185,10 @@ def test_hc_validation():
         fused.hc_post(S, mx.ones((2, 31)), post, comb, backend="cuda")
     with pytest.raises(ValueError, match="comb"):
         fused.hc_post(S, mx.ones((2, 32)), post, mx.ones((2, 16)), backend="cuda")
+    with pytest.raises(ValueError, match="norm"):
+        fused.hc_pre(S, fn, scale, base, cfg, norm=mx.ones((31,)), backend="cuda")
+    with pytest.raises(ValueError, match="post"):
+        fused.hc_post_pre(S, mx.ones((2, 32)), mx.ones((2, 3)), comb, fn, scale, base, cfg, backend="cuda")
 
 
 def pool_inputs(nw: int, ratio: int, hd: int, seed: int = 0, first: bool = False):
@@ -318,6 +330,53 @@ def test_hc_pre_kernel(T, E, tpb, split):
         close(g, r, tol)
 
 
+def hc_post_inputs(T: int, E: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    y = mx.array(rng.standard_normal((T, E)).astype(np.float32))
+    post = mx.array(rng.uniform(0.1, 2.0, (T, 4)).astype(np.float32))
+    comb = mx.array(rng.uniform(0.05, 0.5, (T, 4, 4)).astype(np.float32))
+    return y, post, comb
+
+
+def hc_norm_reference(S, fn, scale, base, cfg, norm):
+    x, post, comb = hyper.hc_pre(S, fn, scale, base, cfg)
+    return mx.fast.rms_norm(x, norm, cfg.rms_eps), post, comb
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,E,tpb,split", [(1, 4096, 1, True), (3, 256, 1, True), (5, 256, 2, False),
+                                           (64, 4096, 2, False), (7, 256, 4, False)])
+def test_hc_pre_norm_kernel(T, E, tpb, split):
+    """hc_pre with the sublayer's input RMSNorm folded in."""
+    cfg = HCfg()
+    S, fn, scale, base = hc_inputs(T, E, seed=T + E + 1)
+    norm = mx.array(np.random.default_rng(T).uniform(0.5, 1.5, E).astype(np.float32))
+    ref = on_cpu(hc_norm_reference, S, fn, scale, base, cfg, norm)
+    got = fused.hc_pre(S, fn, scale, base, cfg, norm=norm, backend=BACKEND, tpb=tpb, split=split)
+    for g, r, tol in zip(got, ref, (2e-5, 1e-5, 1e-5)):
+        close(g, r, tol)
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,E,norm", [(1, 4096, True), (1, 4096, False), (3, 256, True), (16, 256, True)])
+def test_hc_post_pre_kernel(T, E, norm):
+    """HC post inside the mix launch (T <= 8; T = 16 takes the two-launch path) against post then pre."""
+    cfg = HCfg()
+    S, fn, scale, base = hc_inputs(T, E, seed=T + 7)
+    y, post, comb = hc_post_inputs(T, E, seed=T + 8)
+    nw = mx.array(np.random.default_rng(T).uniform(0.5, 1.5, E).astype(np.float32)) if norm else None
+
+    def reference(S, y, post, comb):
+        S = hyper.hc_post(S, y, post, comb)
+        return (S, *(hc_norm_reference(S, fn, scale, base, cfg, nw) if norm else hyper.hc_pre(S, fn, scale, base, cfg)))
+
+    ref = on_cpu(reference, S, y, post, comb)
+    got = fused.hc_post_pre(S, y, post, comb, fn, scale, base, cfg, norm=nw, backend=BACKEND)
+    np.testing.assert_array_equal(np.array(got[0]), np.array(fused.hc_post(S, y, post, comb, backend=BACKEND)))
+    for g, r, tol in zip(got, ref, (1e-5, 2e-5, 1e-5, 1e-5)):
+        close(g, r, tol)
+
+
 @needs_gpu
 @pytest.mark.parametrize("T,E", [(1, 256), (7, 256), (1, 4096), (33, 4096)])
 def test_hc_post_kernel(T, E):
@@ -329,6 +388,51 @@ def test_hc_post_kernel(T, E):
     ref = on_cpu(hyper.hc_post, S, y, post, comb)
     got = fused.hc_post(S, y, post, comb, backend=BACKEND)
     close(got, ref, 1e-5)
+
+
+def comp_write_inputs(R: int, W: int, at: int, seed: int = 0):
+    """Random frontier kv/score [R, W] (some NEG rows, as unwritten ones are), new rows and an APE row view."""
+    rng = np.random.default_rng(seed)
+    kv = rng.standard_normal((R, W)).astype(np.float32)
+    score = rng.standard_normal((R, W)).astype(np.float32)
+    score[rng.random(R) < 0.3] = NEG
+    rows = [rng.standard_normal((1, W)).astype(np.float32) for _ in range(2)]
+    ape = mx.array(rng.standard_normal((R, W)).astype(np.float32))[at % R : at % R + 1]  # a row view, as decode passes
+    return kv, score, rows, ape, mx.array([at], dtype=mx.int32)
+
+
+def comp_write_numpy(kv, score, rows, ape, at):
+    kv, score = kv.copy(), score.copy()
+    kv[at], score[at] = rows[0][0], rows[1][0] + np.array(ape)[0]
+    return kv, score
+
+
+@pytest.mark.parametrize("R,W,at", [(8, 1024, 5), (128, 512, 127), (8, 256, 0)])
+def test_comp_write_fallback_vs_numpy(R, W, at):
+    kv, score, rows, ape, at_a = comp_write_inputs(R, W, at, seed=R + at)
+    got = on_cpu(fused.compressor_write, mx.array(kv), mx.array(score), *map(mx.array, rows), ape, at_a)
+    for g, r in zip(got, comp_write_numpy(kv, score, rows, ape, at)):
+        np.testing.assert_array_equal(np.array(g), r)
+
+
+def test_comp_write_validation():
+    kv, score, rows, ape, at = comp_write_inputs(8, 256, 1)
+    args = [mx.array(kv), mx.array(score), *map(mx.array, rows), ape]
+    with pytest.raises(ValueError, match="kv must be"):
+        fused.compressor_write(mx.array(kv)[None], *args[1:], at)
+    with pytest.raises(ValueError, match="score_row"):
+        fused.compressor_write(*args[:3], mx.zeros((1, 128)), ape, at)
+    with pytest.raises(ValueError, match="at must be"):
+        fused.compressor_write(*args, mx.array([1, 2], dtype=mx.int32))
+
+
+@needs_gpu
+@pytest.mark.parametrize("R,W,at", [(8, 1024, 5), (128, 512, 127), (8, 256, 0), (128, 1024, 64)])
+def test_comp_write_kernel(R, W, at):
+    kv, score, rows, ape, at_a = comp_write_inputs(R, W, at, seed=R + at)
+    got = fused.compressor_write(mx.array(kv), mx.array(score), *map(mx.array, rows), ape, at_a, backend=BACKEND)
+    for g, r in zip(got, comp_write_numpy(kv, score, rows, ape, at)):
+        np.testing.assert_array_equal(np.array(g), r)
 
 
 @needs_gpu
@@ -471,6 +575,51 @@ def test_top_k_rows_fallback_vs_numpy(N, n, k, ties):
     np.testing.assert_array_equal(np.array(got), topk_numpy(s, n, k))
 
 
+def index_scores_inputs(H: int, D: int, N: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    iq = rng.standard_normal((1, H, D)).astype(np.float32)
+    w = rng.standard_normal((1, H)).astype(np.float32)
+    keys = rng.standard_normal((N, D)).astype(np.float32)
+    return iq, w, keys
+
+
+def index_scores_numpy(iq, w, keys, scale):
+    dots = np.einsum("hd,nd->hn", iq[0].astype(np.float64), keys.astype(np.float64))
+    return (np.maximum(dots, 0.0) * (w[0].astype(np.float64) * scale)[:, None]).sum(axis=0)[None]
+
+
+@pytest.mark.parametrize("H,D,N", [(64, 128, 40), (16, 128, 9)])
+def test_index_scores_fallback_vs_numpy(H, D, N):
+    iq, w, keys = index_scores_inputs(H, D, N, seed=H + N)
+    scale = 1.0 / math.sqrt(H * D)
+    got = on_cpu(fused.index_scores, mx.array(iq), mx.array(w), mx.array(keys), fused.kernel_counts(N, 4), scale)
+    np.testing.assert_allclose(np.array(got), index_scores_numpy(iq, w, keys, scale), rtol=1e-5, atol=1e-6)
+
+
+def test_index_scores_validation():
+    iq, w, keys = map(mx.array, index_scores_inputs(16, 128, 8))
+    counts = fused.kernel_counts(8, 4)
+    with pytest.raises(ValueError, match="iq must be"):
+        fused.index_scores(iq[0], w, keys, counts, 1.0)
+    with pytest.raises(ValueError, match="keys"):
+        fused.index_scores(iq, w, keys[:, :64], counts, 1.0)
+    with pytest.raises(ValueError, match="counts must be"):
+        fused.index_scores(iq, w, keys, mx.array([8, 4]), 1.0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("H,D,N,n", [(64, 128, 512, 300), (64, 128, 4096, 4096), (16, 128, 40, 33), (64, 128, 300000, 70000)])
+def test_index_scores_kernel(H, D, N, n):
+    """The first n of N rows against the fallback (on the CPU device); 0 past them."""
+    iq, w, keys = index_scores_inputs(H, D, N, seed=N + n)
+    scale = 1.0 / math.sqrt(H * D)
+    ref = on_cpu(fused.index_scores_reference, mx.array(iq), mx.array(w), mx.array(keys), scale)
+    got = np.array(fused.index_scores(mx.array(iq), mx.array(w), mx.array(keys), fused.kernel_counts(n, 4), scale,
+                                      backend=BACKEND))  # fmt: skip
+    close(got[:, :n], np.array(ref)[:, :n], 1e-5)
+    assert not got[:, n:].any()
+
+
 def test_top_k_rows_validation():
     with pytest.raises(ValueError, match="scores must be"):
         fused.top_k_rows(mx.zeros((2, 8)), fused.kernel_counts(8, 2), 2)
@@ -549,6 +698,35 @@ def test_qkv_rows_kernel(T, H, D, nope, f16):
         diff = np.abs(got - want)
         assert (diff > 0).mean() < 0.01, f"{(diff > 0).mean():.3%} of FP8 values differ"
         assert np.all(diff <= np.maximum(np.abs(want) / 8, 2**-9) * 1.01), "an FP8 value moved by more than one step"
+
+
+def test_qkv_rows_window_fallback():
+    """The window mode of the fallback: the kept raw rows, then the new row, as the cache dtype."""
+    qb, kvb, norm, C, S = qkv_inputs(1, 4, 128, seed=3)
+    raw = mx.array(np.random.default_rng(3).standard_normal((9, 128)).astype(np.float16))
+    q, kv = on_cpu(fused.qkv_rows, qb, kvb, norm, C, S, 1e-6, 4, f16r=True)
+    q2, win = on_cpu(fused.qkv_rows, qb, kvb, norm, C, S, 1e-6, 4, f16r=True, window=(raw, 7, mx.float16))
+    assert win.dtype == mx.float16 and win.shape == (8, 128) and mx.array_equal(q, q2)
+    np.testing.assert_array_equal(np.array(win), np.concatenate([np.array(raw)[2:], np.array(kv).astype(np.float16)]))
+    with pytest.raises(ValueError, match="window needs"):
+        fused.qkv_rows(qb, kvb, norm, C, S, 1e-6, 4, window=(raw, 10, mx.float16), backend="cuda")
+
+
+@needs_gpu
+@pytest.mark.parametrize("n_raw,keep,f16", [(127, 127, True), (128, 127, True), (5, 5, True), (0, 0, True),
+                                            (20, 20, False)])
+def test_qkv_rows_window_kernel(n_raw, keep, f16):
+    H, D = 64, 512
+    qb, kvb, norm, C, S = qkv_inputs(1, H, D, seed=n_raw)
+    dtype = mx.float16 if f16 else mx.float32
+    raw = mx.array(np.random.default_rng(n_raw).standard_normal((n_raw, D)).astype(np.float32)).astype(dtype)
+    kw = dict(nope_fp8=0, f16r=f16, window=(raw, keep, dtype))
+    ref_q, ref_w = on_cpu(fused.qkv_rows, qb, kvb, norm, C, S, 1e-6, H, backend="fallback", **kw)
+    q, win = fused.qkv_rows(qb, kvb, norm, C, S, 1e-6, H, backend=BACKEND, **kw)
+    assert win.dtype == dtype and win.shape == (keep + 1, D)
+    close(q, ref_q, 2e-6)
+    np.testing.assert_array_equal(np.array(win[:keep]), np.array(ref_w[:keep]))  # copied rows: exact
+    close(np.array(win[keep:]), np.array(ref_w[keep:]), 2e-3 if f16 else 2e-6)
 
 
 # --- MoE router -------------------------------------------------------------------------------------------

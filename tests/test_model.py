@@ -93,10 +93,12 @@ def test_ab_decode_runs_both_trees(tmp_path):
 def test_decode_step_launch_budget():
     """The decode step's launch count on the GPU code path (benchmarks/graph_cost.py, kernels stood in for).
 
-    On the H200 decode is host-bound: each launch costs ~7 µs of host time (benchmarks/RESULTS.md), so the
-    count is the speed. 6 layers of the real pattern took 78-79 launches per layer (compiled step) before the
-    fused attention/QKV/top-k/router kernels, 47 after, 38.8 once projections of one input share a matvec
-    (stacked rows), 33.8 with the MoE matvec epilogues; raise the budget only for a change that needs the ops.
+    Each launch costs the host several µs to encode on MLX-CUDA (benchmarks/RESULTS.md). 6 layers of the real
+    pattern (64 tokens of context) took 78-79 launches per layer (compiled step) before the fused
+    attention/QKV/top-k/router kernels, 47 after, 38.8 once projections of one input share a matvec (stacked
+    rows), 33.8 with the MoE matvec epilogues, 25.8 with the input norms in HC pre, HC post in the next mix,
+    the compressor write, the indexer scores and the raw window as kernels; raise the budget only for a change
+    that needs the ops.
     """
     import importlib.util
     from pathlib import Path
@@ -107,7 +109,7 @@ def test_decode_step_launch_budget():
     spec.loader.exec_module(gc)
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
     assert res["compiled"] and res["kernel_launches"] >= 6 * 18  # the custom kernels were on the path
-    assert res["launches_per_layer"] <= 35, res
+    assert res["launches_per_layer"] <= 26, res
 
 
 def test_kernel_profile_reads_ncu_csv(tmp_path, capsys):

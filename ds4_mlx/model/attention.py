@@ -242,17 +242,25 @@ class Attention:
 
     def __call__(self, x: mx.array, pos: int, cache: LayerCache) -> mx.array:
         """``x [T, E]`` (HC-pre output at positions ``pos..pos+T-1``) -> ``y [T, E]``; updates ``cache``."""
+        return self.forward(self.norm(x), pos, cache)
+
+    def norm(self, x: mx.array) -> mx.array:
+        """The sublayer's input RMSNorm (HC pre applies it itself in the model: ``hc_pre(..., norm=attn_norm)``)."""
+        return mx.fast.rms_norm(x, self.attn_norm, self.eps)
+
+    def forward(self, n: mx.array, pos: int, cache: LayerCache) -> mx.array:
+        """The sublayer from its normed input ``n [T, E]`` (:meth:`norm`) -> ``y [T, E]``; updates ``cache``."""
         if pos != cache.pos:
             raise ValueError(f"layer {self.il}: cache holds {cache.pos} tokens, got a chunk at position {pos}")
-        T = x.shape[0]
+        T = n.shape[0]
         if T == 1:
             key, io = self.decode_inputs(pos, cache)
-            y, st = self.decode(x, cache.decode_state(), io, key)
+            y, st = self.decode(n, cache.decode_state(), io, key)
             cache.take_decode_state(st, key)
             return y
         D, W, r = self.head_dim, self.n_swa, self.ratio
         C, S = self.rope.tables(pos + np.arange(T), D)  # [T, D] each
-        n, qr, q, kv = self._project(x, C, S)
+        qr, q, kv = self._project(n, C, S)
 
         # Raw window: the last W-1 carried rows + the chunk's rows; key j sits at position pos - keep + j.
         keep = min(cache.n_raw, W - 1)
@@ -279,16 +287,18 @@ class Attention:
         cache.pos = pos + T
         return y
 
-    def _project(self, x: mx.array, C: mx.array, S: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """``x [T, E]`` -> normed input ``n``, ``qr [T, q_lora]``, RoPE'd ``q [T, H, D]`` and the stored KV row."""
-        n = mx.fast.rms_norm(x, self.attn_norm, self.eps)  # [T, E]
+    def _project(
+        self, n: mx.array, C: mx.array, S: mx.array, window: tuple[mx.array, int, mx.dtype] | None = None
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Normed input ``n [T, E]`` -> ``qr [T, q_lora]``, RoPE'd ``q [T, H, D]`` and the stored KV row (with
+        ``window``, the new raw window: see :func:`qkv_rows`)."""
         q_a_kv = self.attn_q_a_kv.matmul(n)  # [T, q_lora + D]: attn_q_a n, then attn_kv n
         qr = mx.fast.rms_norm(q_a_kv[:, : self.q_lora], self.attn_q_a_norm, self.eps)  # [T, q_lora]
         q, kv = qkv_rows(  # q = rope(headrms(q_b qr)) [T, H, D]; kv = kv_row(rope(rms(attn_kv n))) [T, D]
             self.attn_q_b.matmul(qr), q_a_kv[:, self.q_lora :], self.attn_kv_a_norm, C, S, self.eps, self.n_head,
-            nope_fp8=self.nope if self.numerics.fp8_kv else 0, f16r=self.numerics.f16_cache,
+            nope_fp8=self.nope if self.numerics.fp8_kv else 0, f16r=self.numerics.f16_cache, window=window,
         )  # fmt: skip
-        return n, qr, q, kv
+        return qr, q, kv
 
     # --- one-token decode: a pure function of arrays, so a step can be compiled --------------------------
 
@@ -319,19 +329,13 @@ class Attention:
         io["counts"] = kernel_counts(min(cache.n_raw, self.n_swa - 1) + 1, self.indexer.top_k if select else n_vis)
         return DecodeKey(complete, n_vis > 0, select, cache.n_raw >= self.n_swa - 1), io
 
-    def decode(self, x: mx.array, st: dict[str, mx.array], io: dict, key: DecodeKey) -> tuple[mx.array, dict]:
-        """One token ``x [1, E]`` over the cache arrays ``st`` (:meth:`LayerCache.decode_state`) -> ``(y [1, E],
-        new arrays)``. Same math as a chunk of one; compressed rows live in fixed-capacity buffers whose
-        first ``n_vis`` rows are visible, so shapes repeat from token to token."""
+    def decode(self, n: mx.array, st: dict[str, mx.array], io: dict, key: DecodeKey) -> tuple[mx.array, dict]:
+        """One token's normed input ``n [1, E]`` over the cache arrays ``st`` (:meth:`LayerCache.decode_state`) ->
+        ``(y [1, E], new arrays)``. Same math as a chunk of one; compressed rows live in fixed-capacity buffers
+        whose first ``n_vis`` rows are visible, so shapes repeat from token to token."""
         W, r = self.n_swa, self.ratio
-        n, qr, q, kv = self._project(x, io["C"], io["S"])
-        # The new raw window [keep+1 <= W, D], stored as kv_dtype: kv is f16-exact already (kv_row), so casting
-        # the one new row (not the f32 concat of the window) is the same values in one op less.
-        raw = st["raw"]
-        keep = min(raw.shape[0], W - 1)
-        window = kv.astype(self.kv_dtype)
-        if keep:
-            window = mx.concatenate([raw[raw.shape[0] - keep :].astype(self.kv_dtype), window])
+        raw = st["raw"]  # the new raw window [keep+1 <= W, D] comes out of the Q/KV launch
+        qr, q, window = self._project(n, io["C"], io["S"], (raw, min(raw.shape[0], W - 1), self.kv_dtype))
         st = dict(st, raw=window)
         if self.n_f16 is not None:  # one matvec for the compressors' and the indexer's projections of n
             ckv, cg, hw, ikv, ig = _split(self.n_f16.matmul(n), self.n_f16_cols)
@@ -351,7 +355,7 @@ class Attention:
         comp = st["comp"] if key.has_comp else None  # [capacity, D]: attend_one reads its first counts[1] rows
         idx = None
         if key.select:  # attend to the indexer's top-k rows only
-            scores = self.indexer.scores(qr, hw, io["Ci"], io["Si"], st["index"])  # [1, capacity]
+            scores = self.indexer.scores(qr, hw, io["Ci"], io["Si"], st["index"], io["index_counts"])  # [1, capacity]
             idx = top_k_rows(scores, io["index_counts"], self.indexer.top_k)  # [1, k] of the first n_vis rows
         o = attend_one(q, st["raw"], comp, idx, io["counts"], self.attn_sinks, io["C"], io["S"], self.scale)
         return self.attn_output_b.matmul(self._grouped_output_a(o)), st

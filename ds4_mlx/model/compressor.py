@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import compressor_pool
+from ..kernels.fused import compressor_pool, compressor_write, resident
 from ..weights import QuantWeight
 from .rope import Rope
 
@@ -33,7 +33,7 @@ from .rope import Rope
 @lru_cache(maxsize=1 << 16)
 def index_array(i: int) -> mx.array:
     """``int32 [1]`` holding ``i``: a position-dependent index passed into a (compiled) decode step."""
-    return mx.array([i], dtype=mx.int32)
+    return resident(mx.array([i], dtype=mx.int32))
 
 
 NEG = -1.0e30  # ds4's "minus infinity" for scores
@@ -162,8 +162,7 @@ class Compressor:
         """
         r, w = self.ratio, self.width
         kv_row, score_row = proj
-        kv = mx.slice_update(kv, kv_row, io["at"], axes=(0,))  # [coff*r, w]
-        score = mx.slice_update(score, score_row + io["ape"], io["at"], axes=(0,))
+        kv, score = compressor_write(kv, score, kv_row, score_row, io["ape"], io["at"])  # [coff*r, w] each
         if not complete:
             return None, kv, score
         c = compressor_pool(kv[None], score[None], self.norm, io["C"], io["S"], self.eps, lanes=self.coff)

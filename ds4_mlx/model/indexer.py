@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import index_query  # Metal/CUDA kernel; rope + numerics.indexer_qat on CPU
+from ..kernels.fused import index_query, index_scores, index_scores_reference  # Metal/CUDA kernels; MLX on CPU
 from ..numerics import Numerics, indexer_row
 from .compressor import Compressor
 from .rope import Rope
@@ -42,14 +42,16 @@ class Indexer:
         """``indexer.proj @ n`` for the normed input ``n [T, E]`` -> ``[T, H_i]`` (unscaled)."""
         return self.wproj.matmul(n)
 
-    def scores(self, qr: mx.array, hw: mx.array, C: mx.array, S: mx.array, keys: mx.array) -> mx.array:
+    def scores(
+        self, qr: mx.array, hw: mx.array, C: mx.array, S: mx.array, keys: mx.array, counts: mx.array | None = None
+    ) -> mx.array:
         """``score [T, N]`` of the indexer rows ``keys [N, 128]``; ``hw`` = :meth:`head_weights`, ``C, S [T, 128]``
-        the queries' RoPE tables."""
+        the queries' RoPE tables. Decode passes ``counts`` (:func:`kernel_counts`): only the first ``counts[0]``
+        rows need scores, in one fused launch."""
         iq = index_query(self.wq_b.matmul(qr), C, S, self.n_head, self.numerics.indexer_qat)  # [T, H_i, 128]
-        w = hw * self.scale  # [T, H_i]
-        # The head sum as multiply + reduce, not a [1, H_i] @ [H_i, N] product: in a decode step that is one
-        # fused elementwise op and a reduction instead of two ops and a cuBLAS call (~40 µs of host time each).
-        return (mx.maximum(iq @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)  # [T, H_i, N] -> [T, N]
+        if counts is not None:
+            return index_scores(iq, hw, keys, counts, self.scale)
+        return index_scores_reference(iq, hw, keys, self.scale)  # [T, N]
 
 
 def select_top_k(scores: mx.array, n_visible: np.ndarray, k: int) -> mx.array:

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..config import ModelConfig
 from ..numerics import Numerics, get_numerics
-from ..kernels.fused import hc_post, hc_pre  # fused Metal/CUDA kernels; fall back to .hyper on CPU
+from ..kernels.fused import hc_post, hc_post_pre, hc_pre  # fused Metal/CUDA kernels; fall back to .hyper on CPU
 from .attention import Attention, DecodeKey, LayerCache, make_layer_cache
 from .hyper import hc_head
 from .moe import MoE
@@ -43,10 +43,10 @@ class Block:
         """State ``S [T, n_hc, E]`` of tokens at ``pos..pos+T-1`` -> the layer's output state (same shape)."""
         if S.shape[0] == 1:
             return self.decode(S, tokens, pos, cache)
-        x, post, comb = hc_pre(S, *self.hc_attn, self.cfg)  # x [T, E]
-        S = hc_post(S, self.attn(x, pos, cache), post, comb)
-        x, post, comb = hc_pre(S, *self.hc_ffn, self.cfg)
-        return hc_post(S, self.ffn(x, tokens), post, comb)
+        n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)  # normed input [T, E]
+        S, n, post, comb = hc_post_pre(S, self.attn.forward(n, pos, cache), post, comb, *self.hc_ffn, self.cfg,
+                                       norm=self.ffn.ffn_norm)  # fmt: skip
+        return hc_post(S, self.ffn.forward(n, tokens), post, comb)
 
     def decode(self, S: mx.array, tokens: mx.array, pos: int, cache: LayerCache) -> mx.array:
         """One token: the layer as one (compiled) function of the state and the cache arrays."""
@@ -56,11 +56,10 @@ class Block:
         return S
 
     def _step(self, key: DecodeKey, S: mx.array, tokens: mx.array, st: dict, io: dict) -> tuple[mx.array, dict]:
-        x, post, comb = hc_pre(S, *self.hc_attn, self.cfg)
-        y, st = self.attn.decode(x, st, io, key)
-        S = hc_post(S, y, post, comb)
-        x, post, comb = hc_pre(S, *self.hc_ffn, self.cfg)
-        return hc_post(S, self.ffn(x, tokens), post, comb), st
+        n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
+        y, st = self.attn.decode(n, st, io, key)
+        S, n, post, comb = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm)
+        return hc_post(S, self.ffn.forward(n, tokens), post, comb), st
 
     def _step_fn(self, key: DecodeKey) -> Callable:
         """The step for ``key``, compiled once the raw window is full (before that its shapes change every

@@ -141,6 +141,13 @@ class MoE:
 
     def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:
         """``x [T, E]`` = HC-pre output, ``tokens [T]`` the input ids -> ``y [T, E]`` (before HC post)."""
-        n = mx.fast.rms_norm(x, self.ffn_norm, self.cfg.rms_eps)  # [T, E]
+        return self.forward(self.norm(x), tokens)
+
+    def norm(self, x: mx.array) -> mx.array:
+        """The sublayer's input RMSNorm (HC pre applies it itself in the model: ``hc_pre(..., norm=ffn_norm)``)."""
+        return mx.fast.rms_norm(x, self.ffn_norm, self.cfg.rms_eps)
+
+    def forward(self, n: mx.array, tokens: mx.array) -> mx.array:
+        """The sublayer from its normed input ``n [T, E]`` (:meth:`norm`) -> ``y [T, E]``."""
         sel, w = self.route(n, tokens)
         return self.routed(n, sel, w, add=self.shared(n))

@@ -20,11 +20,13 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
+from ..kernels.fused import resident
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,26 @@ class Rope:
         if hit is not None:
             _TABLES.move_to_end(key)
             return hit
+        p = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if p.size == 1:
+            # Decode: a row of a block of DECODE_BLOCK positions' tables, made once and kept on the device
+            # (``resident``), so a step brings no new host data to the GPU (angles are per position: same rows).
+            b, i = divmod(int(p[0]), DECODE_BLOCK)
+            C, S = self._block(b, head_dim)
+            out = (C[i : i + 1], S[i : i + 1])
+        else:
+            out = tuple(mx.array(t) for t in self._host_tables(p, head_dim))
+        _TABLES[key] = out
+        if len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+        return out
+
+    @lru_cache(maxsize=32)
+    def _block(self, block: int, head_dim: int) -> tuple[mx.array, mx.array]:
+        p = block * DECODE_BLOCK + np.arange(DECODE_BLOCK)
+        return tuple(resident(mx.array(t)) for t in self._host_tables(p, head_dim))
+
+    def _host_tables(self, positions: np.ndarray, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
         theta = self.angles(positions).astype(np.float64)  # [T, n_rot/2]
         cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
         T, lead = theta.shape[0], head_dim - self.n_rot
@@ -98,15 +120,12 @@ class Rope:
         S = np.zeros((T, head_dim), np.float32)
         C[:, lead::2], C[:, lead + 1 :: 2] = cos, cos
         S[:, lead::2], S[:, lead + 1 :: 2] = -sin, sin
-        out = (mx.array(C), mx.array(S))
-        _TABLES[key] = out
-        if len(_TABLES) > _TABLES_MAX:
-            _TABLES.popitem(last=False)
-        return out
+        return C, S
 
 
 _TABLES: "OrderedDict[tuple, tuple[mx.array, mx.array]]" = OrderedDict()
 _TABLES_MAX = 64
+DECODE_BLOCK = 256  # positions per decode table block
 
 
 def _positions_key(positions) -> tuple:
