@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 
 from ds4_mlx.loader import load
+from ds4_mlx.numerics import PROFILES
 from ds4_mlx.session import Session
+from ds4_mlx.weights import kernel_backend
+
+GPU = kernel_backend() in ("metal", "cuda")
+# On the GPU, prefill products of more than 8 tokens run the mm kernel, whose tiles round both operands to
+# bf16, and MLX's own f32 products may use TF32: on this random tiny model that moves prefill logits by up to
+# 1.2e-1 of the logit scale at 45 tokens (H200; reproduced on the CPU by rounding the operands to bf16:
+# benchmarks/prefill_precision.py, benchmarks/RESULTS.md). Decode steps match the exact logits to ~1.5e-6.
+PREFILL_ROUNDS = pytest.mark.xfail(GPU, reason="GPU prefill rounds matmul operands (bf16 tiles / TF32)", strict=True)
 
 
 def prompt(T: int, seed: int = 0) -> list[int]:
@@ -29,6 +38,7 @@ T = 45  # > 2R (R=16), > 4*top_k+4 = 20, > window 16
 
 
 @pytest.mark.slow
+@PREFILL_ROUNDS
 def test_chunked_prefill_and_decode_match_full_prefill(model):
     tokens = prompt(T)
     full = np.array(model(tokens, 0, model.make_cache(), all_logits=True))  # [T, V]
@@ -63,11 +73,34 @@ def test_snapshot_restore(model):
     b = [np.array(s.step(t)) for t in tokens[30:] + more]
     np.testing.assert_array_equal(np.stack(a), np.stack(b))  # same graph, same state: bit-identical
 
-    # the snapshot is reusable, and a fresh session restored from it continues identically too
+
+@PREFILL_ROUNDS
+def test_snapshot_restore_then_prefill(model):
+    """The snapshot is reusable: a fresh session restored from it and prefilled continues as decode steps do."""
+    tokens, more = prompt(T), prompt(12, seed=1)[1:]
+    s = Session(model, chunk_size=6)
+    s.prefill(tokens[:30])
+    snap = s.snapshot()
+    a = [np.array(s.step(t)) for t in tokens[30:] + more]
     s2 = Session(model)
     s2.restore(snap)
     c = s2.prefill(tokens[30:] + more, chunk_size=5)
     assert _rel(c, a[-1]) <= 1e-5
+
+
+@pytest.mark.skipif(not GPU, reason="no Metal/CUDA kernels here")
+def test_gpu_decode_steps_match_exact_prefill(model):
+    """Every decode kernel on the GPU path: one-token steps against the CPU's exact (f32) full prefill."""
+    if model.numerics != PROFILES["hf"]:
+        pytest.skip("measured with the hf profile (FP8/f16 rounding may flip on last-bit differences)")
+    tokens = prompt(T)
+    mx.set_default_device(mx.cpu)
+    try:
+        exact = np.array(model(tokens, 0, model.make_cache(), all_logits=True))
+    finally:
+        mx.set_default_device(mx.gpu)
+    s = Session(model)
+    assert _rel(np.stack([np.array(s.step(t)) for t in tokens]), exact) <= 1e-5
 
 
 def test_prefill_rejects_empty(model):
