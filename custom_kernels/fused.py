@@ -269,14 +269,15 @@ def hc_post_pre(
     post runs inside the mix launch (one launch less)."""
     b = _pick(backend)
     _check_hc_post(S, y, post, comb)
-    if b == "fallback" or S.shape[0] > HC_PRE_SPLIT_MAX_T or _fn_pairs(fn) is None or S.shape[1] not in (1, 2, 4):
+    if S.shape[0] > HC_PRE_SPLIT_MAX_T:  # prefill: no split mix to carry the post
         S = hc_post(S, y, post, comb, backend=b)
         return (S, *hc_pre(S, fn, scale, base, cfg, norm=norm, backend=b))
     return _hc_pre(S, fn, scale, base, cfg, norm, (y, post, comb), b, None, None)
 
 
 def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tuple:
-    """-> ``(S', x or n, post, comb)``; ``post_of = (y, post, comb)`` applies HC post to S first (split only)."""
+    """-> ``(S', x or n, post, comb)``; ``post_of = (y, post, comb)`` applies HC post to S first (inside the
+    split mix; only :func:`hc_post_pre` passes it, for decode-sized T)."""
     from ds4_mlx.model import hyper
 
     b = _pick(backend)
@@ -293,6 +294,8 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tupl
         _check_f32("hc_pre: norm", norm, (E,))
     fnw = _fn_pairs(fn)
     if b == "fallback" or fnw is None or n_hc not in (1, 2, 4) or T == 0:
+        if post_of is not None:
+            S = hyper.hc_post(S, *post_of)
         x, post, comb = hyper.hc_pre(S, fn, scale, base, cfg)
         return S, (x if norm is None else mx.fast.rms_norm(x, norm, cfg.rms_eps)), post, comb
     if split is None:
@@ -316,8 +319,6 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tupl
         )
         if post_of is not None:
             S = S_new
-    elif post_of is not None:
-        raise ValueError("hc_pre: HC post runs inside the mix only with split")
     x, post, comb = get_fused_kernel("hc_pre", b)(
         inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G), part,
                 _f32(0.0) if norm is None else norm],  # fmt: skip
