@@ -222,6 +222,12 @@ def _f32(*vals: float) -> mx.array:
     return a  # built from host data: already materialized (and safe to create inside a compile trace)
 
 
+def _check_counts(kernel: str, counts: mx.array) -> None:
+    """The ``counts`` block of a decode kernel (:func:`kernel_counts`): int32 ``[8]``."""
+    if counts.shape != (8,) or counts.dtype != mx.int32:
+        raise ValueError(f"{kernel}: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
+
+
 def _check_f32(name: str, a: mx.array, shape: tuple) -> None:
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
@@ -515,8 +521,7 @@ def attend_one(
         raise ValueError(f"attend_one: comp must be [cap, {D}] {raw.dtype}, got {tuple(comp.shape)} {comp.dtype}")
     if idx is not None and (comp is None or idx.ndim != 2 or idx.shape[0] != 1 or idx.dtype not in (mx.int32, mx.uint32)):
         raise ValueError(f"attend_one: idx must be [1, k] int32/uint32 rows of comp, got {(idx.shape, idx.dtype)}")
-    if counts.shape != (8,) or counts.dtype != mx.int32:
-        raise ValueError(f"attend_one: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
+    _check_counts("attend_one", counts)
     if b == "fallback" or D % 32 or D > ATTN_MAX_HD:
         gathered = rows = mask = None
         if idx is not None:
@@ -567,8 +572,7 @@ def index_scores(
     _check_f32("index_scores: iq", iq, (1, H, D))
     _check_f32("index_scores: w", w, (1, H))
     _check_f32("index_scores: keys", keys, (N, D))
-    if counts.shape != (8,) or counts.dtype != mx.int32:
-        raise ValueError(f"index_scores: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
+    _check_counts("index_scores", counts)
     if b == "fallback" or D % 32 or D > 256 or N == 0:
         return index_scores_reference(iq, w, keys, scale)
     nsg = INDEX_SCORES_THREADS // 32
@@ -592,8 +596,7 @@ def top_k_rows(scores: mx.array, counts: mx.array, k: int, *, backend: str | Non
     b = _pick(backend)
     if scores.ndim != 2 or scores.shape[0] != 1 or scores.dtype != mx.float32:
         raise ValueError(f"top_k_rows: scores must be f32 [1, N], got {tuple(scores.shape)} {scores.dtype}")
-    if counts.shape != (8,) or counts.dtype != mx.int32:
-        raise ValueError(f"top_k_rows: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
+    _check_counts("top_k_rows", counts)
     if b == "fallback":
         visible = mx.arange(scores.shape[1])[None, :] < counts[0]
         scores = mx.where(visible, scores, -mx.inf)  # more than k visible: no -inf is selected

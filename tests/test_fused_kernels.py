@@ -381,10 +381,7 @@ def test_hc_post_pre_kernel(T, E, norm):
 @pytest.mark.parametrize("T,E", [(1, 256), (7, 256), (1, 4096), (33, 4096)])
 def test_hc_post_kernel(T, E):
     S, *_ = hc_inputs(T, E, seed=T)
-    rng = np.random.default_rng(T)
-    y = mx.array(rng.standard_normal((T, E)).astype(np.float32))
-    post = mx.array(rng.uniform(0.1, 2.0, (T, 4)).astype(np.float32))
-    comb = mx.array(rng.uniform(0.05, 0.5, (T, 4, 4)).astype(np.float32))
+    y, post, comb = hc_post_inputs(T, E, seed=T)
     ref = on_cpu(hyper.hc_post, S, y, post, comb)
     got = fused.hc_post(S, y, post, comb, backend=BACKEND)
     close(got, ref, 1e-5)
