@@ -35,6 +35,9 @@ SETTINGS = {
     "no MB cap, 100 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "100"},
     "no MB cap, 250 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "250"},
     "no MB cap, 1000 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "1000"},
+    "graph cache 1000": {"MLX_CUDA_GRAPH_CACHE_SIZE": "1000"},
+    "graph cache 1000, no MB cap, 100 ops/graph": {"MLX_CUDA_GRAPH_CACHE_SIZE": "1000", "MLX_MAX_MB_PER_BUFFER": "1000000",
+                                                   "MLX_MAX_OPS_PER_BUFFER": "100"},
 }
 MLX_KEYS = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
 
