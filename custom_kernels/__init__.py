@@ -301,16 +301,18 @@ def _params(*vals: int) -> mx.array:
 
 
 def _pad_ids(ids: mx.array, backend: str) -> mx.array:
-    """Index input: flat int32, padded for Metal (:func:`_pad8`)."""
-    ids = ids.reshape(ids.size)  # explicit: reshape(-1) adds a graph node even when nothing changes
+    """Index input: int32, padded for Metal (:func:`_pad8`)."""
     return _pad8(ids if ids.dtype == mx.int32 else ids.astype(mx.int32), backend)
 
 
 def _pad8(a: mx.array, backend: str) -> mx.array:
-    """Metal turns inputs of < 8 elements into `constant` pointers: give small 1-D inputs ≥ 8 there."""
+    """Metal turns inputs of < 8 elements into `constant` pointers: give small inputs ≥ 8 there (flat).
+
+    Otherwise ``a`` as it is shaped: kernels index their inputs flat, and a reshape would be one more graph
+    node for MLX to replay and encode at every decode step."""
     if backend != "metal" or a.size >= 8:
         return a
-    return mx.concatenate([a, mx.zeros((8 - a.size,), dtype=a.dtype)])
+    return mx.concatenate([a.reshape(a.size), mx.zeros((8 - a.size,), dtype=a.dtype)])
 
 
 @lru_cache(maxsize=None)
@@ -324,6 +326,7 @@ def weight_bytes(qw) -> mx.array:
     b = qw._cache.get("bytes")
     if b is None:
         b = qw.data if qw.data.dtype == mx.uint8 else qw.data.view(mx.uint8)
+        mx.eval(b)  # a view sharing the weight's buffer; left lazy, a compiled decode step would replay it
         qw._cache["bytes"] = b
     return b
 
@@ -336,9 +339,12 @@ def supports(qw) -> bool:
 def mv(
     qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
-    clamp: float = 0.0,
+    clamp: float = 0.0, shape: tuple[int, ...] | None = None,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
+
+    ``x2``, ``ids`` and ``aux`` may come in any shape with those sizes (the kernel reads them flat), and
+    ``shape`` names the output's shape (same size), so callers need no reshapes (each is a graph node).
 
     Epilogues (mv.body): ``MV_SWIGLU`` reads ``w2`` (the up weight, same type and shape) next to ``qw`` (gate)
     and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
@@ -350,9 +356,10 @@ def mv(
         w2 is None or (w2.shape, w2.qtype) != (qw.shape, qw.qtype) or qw.qtype not in MV_SWIGLU_TYPES
     ):
         raise ValueError(f"mv: the SwiGLU epilogue needs an up weight like {qw!r} of a type in MV_SWIGLU_TYPES")
-    P = ids.size if gather else x2.shape[0]
+    n_x = x2.size // qw.shape[-1]  # rows of x
+    P = ids.size if gather else n_x
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
-    key = (backend, P, x2.shape[0], k_slots, gather, config, epi, aux is not None, clamp)
+    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp)
     plan = qw._cache.get(("mv",) + key)
     if plan is None:
         plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
@@ -361,12 +368,12 @@ def mv(
         inputs=[
             wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params,
             _dummy(mx.uint8) if w2 is None else weight_bytes(w2),
-            _dummy(mx.float32) if aux is None else _pad8(aux.reshape(aux.size), backend),
+            _dummy(mx.float32) if aux is None else _pad8(aux, backend),
         ],
         template=template,
         grid=grid,
         threadgroup=threadgroup,
-        output_shapes=[out_shape],
+        output_shapes=[out_shape if shape is None else shape],
         output_dtypes=[mx.float32],
         init_value=init,  # tests pass NaN to catch unwritten outputs
     )[0]  # fmt: skip
@@ -497,19 +504,18 @@ def matmul(qw, x: mx.array, backend: str) -> mx.array:
     """``x @ W.T`` on the GPU backends: x [..., in] → float32 [..., out]."""
     lead = x.shape[:-1]
     n_in = qw.shape[-1]
-    x2 = x.reshape(x.size // n_in, n_in)  # explicit shape: a no-op (no graph node) when x is already 2-D
-    if x2.dtype != mx.float32:
-        x2 = x2.astype(mx.float32)
-    N = x2.shape[0]
+    N = x.size // n_in
     if N == 0:
         return mx.zeros((*lead, qw.shape[0]), dtype=mx.float32)
+    x = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    if N <= MV_MAX_TOKENS and supports(qw) and not (qw.qtype == QT.Q8_0 and q8_mode() == "affine"):
+        return mv(qw, x, backend, shape=(*lead, qw.shape[0]))  # x as it is shaped: no reshape nodes
+    x2 = x.reshape(N, n_in)  # explicit shape: a no-op (no graph node) when x is already 2-D
     if qw.qtype == QT.Q8_0 and q8_mode() == "affine":
         wq, s, b = q8_0_affine(qw)
         y = mx.quantized_matmul(x2, wq, s, b, transpose=True, group_size=32, bits=8).astype(mx.float32)
     elif not supports(qw):
         y = qw._fallback_matmul(x2)
-    elif N <= MV_MAX_TOKENS:
-        y = mv(qw, x2, backend)
     else:
         y = mm_dense(qw, x2, backend)
     return y.reshape(*lead, qw.shape[0])
@@ -523,14 +529,10 @@ def gather_matmul(qw, x: mx.array, ids: mx.array, backend: str) -> mx.array:
         return mx.zeros((N, k, n_out), dtype=mx.float32)
     if not supports(qw):
         return qw._fallback_gather_matmul(x, ids)
-    x2 = x.reshape(x.size // n_in, n_in)  # [N, in] shared or [N·k, in] per slot
-    if x2.dtype != mx.float32:
-        x2 = x2.astype(mx.float32)
-    flat = ids.reshape(N * k)
+    x = x if x.dtype == mx.float32 else x.astype(mx.float32)  # [N, in] shared or [N·k, in] per slot
     if N <= MV_MAX_TOKENS:
-        y = mv(qw, x2, backend, ids=flat, k_slots=k)
-    else:
-        y = mm_gather(qw, x2, flat, k, backend)
+        return mv(qw, x, backend, ids=ids, k_slots=k, shape=(N, k, n_out))  # as shaped: no reshape nodes
+    y = mm_gather(qw, x.reshape(x.size // n_in, n_in), ids.reshape(N * k), k, backend)
     return y.reshape(N, k, n_out)
 
 

@@ -10,7 +10,8 @@ prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) 
   post (:func:`hc_post_pre`).
 - ``hc_post.body``: HC post (§4.9), ``S_new = post ⊗ y + Cᵀ S``.
 - ``comp_pool.body``: the compressor's window pooling, RMSNorm × weight and RoPE at the window start
-  (§4.6 steps 4–6); the FP8/QAT/f16r simulations that follow stay in MLX.
+  (§4.6 steps 4–6); the FP8/QAT/f16r simulations that follow stay in MLX. For the decode token that completes
+  a window it also writes that token and emits the next frontier (:func:`compressor_emit`).
 - ``comp_write.body``: one decode token's write into its compressor frontier (row and APE-biased score).
 - ``qkv_rows.body``: the query heads' RMS norm and RoPE, and the KV row's norm, RoPE, FP8 and f16 rounding
   (§4.4, §4.12), in one launch instead of ~15 MLX ops; in decode it also writes the new raw window.
@@ -42,8 +43,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import (
-    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, _params, _read, build, mv, render_prelude, render_source,
-    supports,
+    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, _dummy, _params, _read, build, mv, render_prelude,
+    render_source, supports,
 )
 
 #: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E).
@@ -99,9 +100,10 @@ SPECS = {
         ("NHC",),
     ),
     "comp_pool": KernelSpec(
-        (("kv", "float"), ("score", "float"), ("norm", "float"), ("rc", "float"), ("rs", "float"), ("fparams", "float")),
-        ("row",),
-        ("HD", "ROWS", "LANES"),
+        (("kv", "float"), ("score", "float"), ("norm", "float"), ("rc", "float"), ("rs", "float"), ("fparams", "float"),
+         ("kv_row", "float"), ("score_row", "float"), ("ape", "float"), ("at", "int32_t")),
+        ("row", "kv_out", "score_out"),
+        ("HD", "ROWS", "LANES", "EMIT"),
     ),
     "comp_write": KernelSpec(
         (("kv", "float"), ("score", "float"), ("kv_row", "float"), ("score_row", "float"), ("ape", "float"),
@@ -161,7 +163,7 @@ def instantiations() -> list[tuple[str, tuple]]:
     out += [("hc_mix", (("NHC", 4), ("POST", p))) for p in (0, 1)]
     out.append(("hc_post", (("NHC", 4),)))
     for hd, rows, lanes in ((512, 8, 2), (128, 8, 2), (512, 128, 1), (128, 16, 1), (128, 128, 1)):
-        out.append(("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes))))
+        out += [("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", e))) for e in (0, 1)]
     out.append(("comp_write", ()))
     for hd in (512, 128):
         out += [("attn_one", (("HD", hd), ("NSG", ATTN_NSG), ("USE_IDX", u), ("KV16", 1))) for u in (0, 1)]
@@ -246,6 +248,7 @@ def _fn_pairs(fn: Any) -> mx.array | None:
     w = cache.get("f16_pairs") if cache is not None else None
     if w is None:
         w = fn.data.view(mx.uint32)  # [mix, n/2]: element 2i in the low half (little endian)
+        mx.eval(w)  # shares fn's buffer; left lazy, a compiled decode step would replay the view every step
         if cache is not None:
             cache["f16_pairs"] = w
     return w
@@ -417,16 +420,61 @@ def compressor_pool(
     _check_f32("compressor_pool: norm", norm, (hd,))
     _check_f32("compressor_pool: C", C, (nw, hd))
     _check_f32("compressor_pool: S", S, (nw, hd))
-    if b == "fallback" or hd % 32 or hd > 1024 or nw == 0:
+    if b == "fallback" or not _pool_kernel_fits(hd) or nw == 0:
         return _pool_reference(kv, score, norm, C, S, eps, lanes)
+    f, i = _dummy(mx.float32), _dummy(mx.int32)
     return get_fused_kernel("comp_pool", b)(
-        inputs=[kv, score, norm, C, S, _f32(float(eps))],
-        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes)],
+        inputs=[kv, score, norm, C, S, _f32(float(eps)), f, f, f, i],
+        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 0)],
         grid=(nw * hd, 1, 1),
         threadgroup=(hd, 1, 1),
-        output_shapes=[(nw, hd)],
-        output_dtypes=[mx.float32],
+        output_shapes=[(nw, hd), (1,), (1,)],
+        output_dtypes=[mx.float32] * 3,
     )[0]
+
+
+def _pool_kernel_fits(hd: int) -> bool:
+    return hd % 32 == 0 and hd <= 1024  # one thread per output dim, whole simdgroups
+
+
+def compressor_emit(
+    kv: mx.array, score: mx.array, kv_row: mx.array, score_row: mx.array, ape: mx.array, at: mx.array,
+    norm: mx.array, C: mx.array, S: mx.array, eps: float, *, lanes: int, neg: float, backend: str | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    """The decode token that completes a window: :func:`compressor_write` of its row, :func:`compressor_pool`
+    of the frontier, then the next frontier (MODEL.md §4.6) -> ``(row [1, hd], kv, score)``.
+
+    The next frontier: with ``lanes=2`` (ratio 4) the finished window's rows ``r..2r-1`` become rows ``0..r-1``
+    and rows ``r..`` are empty (kv 0, score ``neg``); with ``lanes=1`` it is all empty. On the GPU one launch.
+    """
+    b = _pick(backend)
+    if kv.ndim != 2 or lanes not in (1, 2) or kv.shape[0] % lanes or kv.shape[1] % lanes:
+        raise ValueError(f"compressor_emit: kv must be [rows, lanes*hd] with lanes 1|2 dividing both, "
+                         f"got {tuple(kv.shape)}, lanes={lanes}")
+    rows, width = kv.shape
+    hd = width // lanes
+    if b == "fallback" or not _pool_kernel_fits(hd):
+        kv, score = compressor_write(kv, score, kv_row, score_row, ape, at, backend="fallback")
+        row = compressor_pool(kv[None], score[None], norm, C, S, eps, lanes=lanes, backend="fallback")
+        empty = (rows // lanes, width)
+        empty_kv, empty_sc = mx.zeros(empty, mx.float32), mx.full(empty, neg, mx.float32)
+        if lanes == 2:
+            return row, mx.concatenate([kv[rows // 2 :], empty_kv]), mx.concatenate([score[rows // 2 :], empty_sc])
+        return row, empty_kv, empty_sc
+    for name, a, shape in (("kv", kv, (rows, width)), ("score", score, (rows, width)), ("kv_row", kv_row, (1, width)),
+                           ("score_row", score_row, (1, width)), ("ape", ape, (1, width)), ("norm", norm, (hd,)),
+                           ("C", C, (1, hd)), ("S", S, (1, hd))):  # fmt: skip
+        _check_f32(f"compressor_emit: {name}", a, shape)
+    if at.shape != (1,) or at.dtype != mx.int32:
+        raise ValueError(f"compressor_emit: at must be int32 [1], got {tuple(at.shape)} {at.dtype}")
+    return tuple(get_fused_kernel("comp_pool", b)(
+        inputs=[kv, score, norm, C, S, _f32(float(eps), float(neg)), kv_row, score_row, ape, at],
+        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1)],
+        grid=(hd, 1, 1),
+        threadgroup=(hd, 1, 1),
+        output_shapes=[(1, hd), (rows, width), (rows, width)],
+        output_dtypes=[mx.float32] * 3,
+    ))  # fmt: skip
 
 
 #: Threads per threadgroup of the compressor frontier write.
@@ -779,8 +827,8 @@ def expert_swiglu(
     if ids is None:
         return mv(gate, x2, b, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp))
     k = ids.shape[1]
-    y = mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp))
-    return y.reshape(T, k, gate.shape[1])
+    return mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
+              shape=(T, k, gate.shape[1]))  # fmt: skip
 
 
 def expert_down_sum(
@@ -793,7 +841,5 @@ def expert_down_sum(
     if not _mv_ok(b, T, down):
         y = down.gather_matmul(mid, ids).sum(axis=1)
         return y if add is None else y + add
-    k, F = ids.shape[1], down.shape[2]
-    x2 = mid.reshape(T * k, F)
-    x2 = x2 if x2.dtype == mx.float32 else x2.astype(mx.float32)
-    return mv(down, x2, b, ids=ids, k_slots=k, epi=MV_SUM, aux=add)
+    x2 = mid if mid.dtype == mx.float32 else mid.astype(mx.float32)  # [T, k, F]: mv reads it flat
+    return mv(down, x2, b, ids=ids, k_slots=ids.shape[1], epi=MV_SUM, aux=add)

@@ -452,6 +452,61 @@ def test_pool_kernel_wire_in():
     close(decode_rows_fused(comp, n, BACKEND), ref, 2e-5)
 
 
+def emit_inputs(ratio: int, hd: int, at: int, seed: int):
+    """One decode frontier [coff*r, coff*hd] (previous-window rows unwritten on the first window), the completing
+    token's rows, its APE row, its frontier row ``at`` and the pool's norm and RoPE row."""
+    kv, sc, norm, C, S, rope, starts = pool_inputs(1, ratio, hd, seed=seed, first=seed % 2 == 0)
+    _, _, rows, ape, at_a = comp_write_inputs(kv.shape[1], kv.shape[2], at, seed=seed)
+    return kv[0], sc[0], [mx.array(r) for r in rows], ape, at_a, norm, C, S, rope, starts
+
+
+def emit_numpy(kv, sc, rows, ape, at, norm, rope, starts, ratio):
+    """compressor_emit by its definition: write the token's rows, pool, then shift/empty the frontier."""
+    kv, sc = comp_write_numpy(np.array(kv), np.array(sc), [np.array(r) for r in rows], ape, at)
+    row = pool_numpy(kv[None], sc[None], norm, rope, starts, ratio)
+    nkv, nsc = np.zeros_like(kv), np.full_like(sc, NEG)
+    if ratio == 4:
+        nkv[:ratio], nsc[:ratio] = kv[ratio:], sc[ratio:]
+    return row, nkv, nsc
+
+
+@pytest.mark.parametrize("ratio,hd,at", [(4, 128, 7), (16, 64, 15), (128, 64, 127)])
+def test_emit_fallback_vs_numpy(ratio, hd, at):
+    kv, sc, rows, ape, at_a, norm, C, S, rope, starts = emit_inputs(ratio, hd, at, seed=ratio + hd)
+    got = on_cpu(fused.compressor_emit, kv, sc, *rows, ape, at_a, norm, C, S, 1e-6, lanes=2 if ratio == 4 else 1,
+                 neg=NEG, backend="fallback")  # fmt: skip
+    ref = emit_numpy(kv, sc, rows, ape, at, norm, rope, starts, ratio)
+    close(got[0], ref[0], 2e-5)
+    for g, r in zip(got[1:], ref[1:]):
+        np.testing.assert_array_equal(np.array(g), r)
+
+
+def test_emit_validation():
+    kv, sc, rows, ape, at_a, norm, C, S, *_ = emit_inputs(4, 128, 7, seed=1)
+    with pytest.raises(ValueError, match="lanes"):
+        fused.compressor_emit(kv, sc, *rows, ape, at_a, norm, C, S, 1e-6, lanes=3, neg=NEG, backend="cuda")
+    with pytest.raises(ValueError, match="kv must be"):
+        fused.compressor_emit(kv[None], sc, *rows, ape, at_a, norm, C, S, 1e-6, lanes=2, neg=NEG, backend="cuda")
+    with pytest.raises(ValueError, match="score_row"):
+        fused.compressor_emit(kv, sc, rows[0], rows[1][:, :8], ape, at_a, norm, C, S, 1e-6, lanes=2, neg=NEG,
+                              backend="cuda")  # fmt: skip
+    with pytest.raises(ValueError, match="at must be"):
+        fused.compressor_emit(kv, sc, *rows, ape, mx.array([1, 2], dtype=mx.int32), norm, C, S, 1e-6, lanes=2,
+                              neg=NEG, backend="cuda")  # fmt: skip
+
+
+@needs_gpu
+@pytest.mark.parametrize("ratio,hd,at", [(4, 512, 7), (4, 128, 4), (128, 512, 127), (16, 128, 15)])
+def test_emit_kernel(ratio, hd, at):
+    kv, sc, rows, ape, at_a, norm, C, S, rope, starts = emit_inputs(ratio, hd, at, seed=ratio + hd + at)
+    lanes = 2 if ratio == 4 else 1
+    got = fused.compressor_emit(kv, sc, *rows, ape, at_a, norm, C, S, 1e-6, lanes=lanes, neg=NEG, backend=BACKEND)
+    ref = emit_numpy(kv, sc, rows, ape, at, norm, rope, starts, ratio)
+    close(got[0], ref[0], 2e-5)
+    for g, r in zip(got[1:], ref[1:]):  # copies: exact
+        np.testing.assert_array_equal(np.array(g), r)
+
+
 # --- one-token attention ----------------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import compressor_pool, compressor_write, resident
+from ..kernels.fused import compressor_emit, compressor_pool, compressor_write, resident
 from ..weights import QuantWeight
 from .rope import Rope
 
@@ -160,19 +160,14 @@ class Compressor:
         A pure function of arrays (``io`` from :meth:`decode_inputs`), so a decode step can be compiled; same
         math as the chunked path. Returns ``(row [1, hd] or None, new kv, new score)``.
         """
-        r, w = self.ratio, self.width
         kv_row, score_row = proj
-        kv, score = compressor_write(kv, score, kv_row, score_row, io["ape"], io["at"])  # [coff*r, w] each
         if not complete:
-            return None, kv, score
-        c = compressor_pool(kv[None], score[None], self.norm, io["C"], io["S"], self.eps, lanes=self.coff)
-        row = self.finish_row(c)  # the frontier is one window's entries
-        if self.coff == 2:  # the finished window becomes "previous"; the new current one is empty
-            kv = mx.concatenate([kv[r:], mx.zeros((r, w), mx.float32)])
-            score = mx.concatenate([score[r:], mx.full((r, w), NEG, mx.float32)])
-            return row, kv, score
-        state = self.init_state()
-        return row, state.kv, state.score
+            return (None, *compressor_write(kv, score, kv_row, score_row, io["ape"], io["at"]))  # [coff*r, w] each
+        # Write, pool the frontier (one window's entries), and the next frontier: the finished window becomes
+        # "previous" (ratio 4) and the new current one is empty.
+        c, kv, score = compressor_emit(kv, score, kv_row, score_row, io["ape"], io["at"], self.norm, io["C"],
+                                       io["S"], self.eps, lanes=self.coff, neg=NEG)  # fmt: skip
+        return self.finish_row(c), kv, score
 
     def _finish(self, ent_kv: mx.array, ent_sc: mx.array, starts) -> mx.array:
         """Pool finished windows, norm, RoPE at the window starts, round -> ``[nw, hd]``.
