@@ -230,6 +230,12 @@ def _check_counts(kernel: str, counts: mx.array) -> None:
         raise ValueError(f"{kernel}: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
 
 
+def _check_at(kernel: str, at: mx.array) -> None:
+    """The frontier row of a compressor write (:func:`ds4_mlx.model.compressor.index_array`): int32 ``[1]``."""
+    if at.shape != (1,) or at.dtype != mx.int32:
+        raise ValueError(f"{kernel}: at must be int32 [1], got {tuple(at.shape)} {at.dtype}")
+
+
 def _check_f32(name: str, a: mx.array, shape: tuple) -> None:
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
@@ -314,12 +320,12 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tupl
     if tpb not in HC_PRE_TPB_CHOICES or (split and tpb != 1):
         raise ValueError(f"hc_pre: tpb must be one of {HC_PRE_TPB_CHOICES} (1 with split), got {tpb}")
     # The kernels index S [T, n_hc*E] and comb [T, n_hc*n_hc] flat: no reshapes (each would be a graph node).
-    part, G = _f32(0.0), 0
+    unused = _dummy(mx.float32)
+    part, G = unused, 0
     if split:
         G = -(-(n_hc * E // 2) // HC_MIX_THREADS)
-        zero = _f32(0.0)
         part, S_new = get_fused_kernel("hc_mix", b)(
-            inputs=[S, fnw, _params(E, T, G), *(post_of or (zero, zero, zero))],
+            inputs=[S, fnw, _params(E, T, G), *(post_of or (unused,) * 3)],
             template=[("NHC", n_hc), ("POST", int(post_of is not None))],
             grid=(G * HC_MIX_THREADS, T, 1),
             threadgroup=(HC_MIX_THREADS, 1, 1),
@@ -330,7 +336,7 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tupl
             S = S_new
     x, post, comb = get_fused_kernel("hc_pre", b)(
         inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G), part,
-                _f32(0.0) if norm is None else norm],  # fmt: skip
+                unused if norm is None else norm],  # fmt: skip
         template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split)),
                   ("NORM", int(norm is not None))],  # fmt: skip
         grid=(-(-T // tpb) * HC_PRE_THREADS, 1, 1),
@@ -453,6 +459,11 @@ def compressor_emit(
                          f"got {tuple(kv.shape)}, lanes={lanes}")
     rows, width = kv.shape
     hd = width // lanes
+    for name, a, shape in (("kv", kv, (rows, width)), ("score", score, (rows, width)), ("kv_row", kv_row, (1, width)),
+                           ("score_row", score_row, (1, width)), ("ape", ape, (1, width)), ("norm", norm, (hd,)),
+                           ("C", C, (1, hd)), ("S", S, (1, hd))):  # fmt: skip
+        _check_f32(f"compressor_emit: {name}", a, shape)
+    _check_at("compressor_emit", at)
     if b == "fallback" or not _pool_kernel_fits(hd):
         kv, score = compressor_write(kv, score, kv_row, score_row, ape, at, backend="fallback")
         row = compressor_pool(kv[None], score[None], norm, C, S, eps, lanes=lanes, backend="fallback")
@@ -461,12 +472,6 @@ def compressor_emit(
         if lanes == 2:
             return row, mx.concatenate([kv[rows // 2 :], empty_kv]), mx.concatenate([score[rows // 2 :], empty_sc])
         return row, empty_kv, empty_sc
-    for name, a, shape in (("kv", kv, (rows, width)), ("score", score, (rows, width)), ("kv_row", kv_row, (1, width)),
-                           ("score_row", score_row, (1, width)), ("ape", ape, (1, width)), ("norm", norm, (hd,)),
-                           ("C", C, (1, hd)), ("S", S, (1, hd))):  # fmt: skip
-        _check_f32(f"compressor_emit: {name}", a, shape)
-    if at.shape != (1,) or at.dtype != mx.int32:
-        raise ValueError(f"compressor_emit: at must be int32 [1], got {tuple(at.shape)} {at.dtype}")
     return tuple(get_fused_kernel("comp_pool", b)(
         inputs=[kv, score, norm, C, S, _f32(float(eps), float(neg)), kv_row, score_row, ape, at],
         template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1)],
@@ -496,8 +501,7 @@ def compressor_write(
     _check_f32("compressor_write: score", score, (R, W))
     for name, a in (("kv_row", kv_row), ("score_row", score_row), ("ape", ape)):
         _check_f32(f"compressor_write: {name}", a, (1, W))
-    if at.shape != (1,) or at.dtype != mx.int32:
-        raise ValueError(f"compressor_write: at must be int32 [1], got {tuple(at.shape)} {at.dtype}")
+    _check_at("compressor_write", at)
     if b == "fallback":
         return (mx.slice_update(kv, kv_row, at, axes=(0,)),
                 mx.slice_update(score, score_row + ape, at, axes=(0,)))  # fmt: skip
@@ -710,7 +714,7 @@ def qkv_rows(
         kv = kv.astype(dtype)  # the row is f16-exact with f16r: cast the one row, not the f32 window
         return q, mx.concatenate([raw[raw.shape[0] - keep :].astype(dtype), kv]) if keep else kv
     if window is None:
-        raw, keep, dtype, wparams, rows = _f32(0.0), 0, mx.float32, _params(0, 0), T
+        raw, keep, dtype, wparams, rows = _dummy(mx.float32), 0, mx.float32, _params(0, 0), T
     else:
         raw, keep, dtype = window
         if T != 1 or raw.ndim != 2 or raw.shape[1] != D or not 0 <= keep <= raw.shape[0]:
