@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4_mlx.layout import EXPERT_VARIANTS, decode_bytes_per_token  # noqa: E402
 from ds4_mlx.model.model import Model, hc_post, hc_pre  # noqa: E402  (the HC functions the model uses)
-from ds4_mlx.session import Session  # noqa: E402
+from ds4_mlx.session import STATE_EVAL_EVERY, Session  # noqa: E402
 from ds4_mlx.random_model import random_weights, shape_config  # noqa: E402
 from ds4_mlx.weights import kernel_backend  # noqa: E402
 
@@ -199,9 +199,12 @@ def main(argv: list[str] | None = None) -> dict:
     sess.prefill(prompt)
     t_prefill = time.perf_counter() - t0
 
-    # Warm-up: kernel JIT and the compiled steps' traces; a window completes every 4 tokens, so 8 tokens
-    # trace every step variant of this context.
-    decode_seconds(sess, 8, pipelined=False)
+    # Warm-up, on a copy of the state: kernel JIT and the compiled steps' traces. Every step variant runs at
+    # least once (a completing window of each compress ratio, the session's periodic state evaluation, whose
+    # deferred frontier writes JIT-compiled 5 s into the timed steps on the H200 when the warm-up missed it).
+    start = sess.snapshot()
+    decode_seconds(sess, max(max(cfg.compress_ratios), STATE_EVAL_EVERY) + 1, pipelined=False)
+    sess.restore(start)
     t_decode_sync, _ = decode_seconds(sess, n_decode, pipelined=False)
     t_decode, split = decode_seconds(sess, n_decode, pipelined=True)
     ctx = sess.pos

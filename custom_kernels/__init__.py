@@ -4,7 +4,8 @@ Each kernel is one ``*.body`` file plus the shared ``ds_prelude.h`` macro layer 
 ``ds_quant.h`` and the kernel's own ``<kind>.h`` (QUANTS.md §3.4). This module renders them without comments
 or indentation (:func:`minify`) for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, builds each kernel
 once per backend, validates inputs and picks grid and threadgroup. :class:`ds4_mlx.weights.QuantWeight` calls
-:func:`matmul` and :func:`gather_matmul` here when the backend is ``metal`` or ``cuda``.
+:func:`matmul` and :func:`gather_matmul` here when the backend is ``metal`` or ``cuda`` (or ``sim``: the CUDA
+text run on the CPU by sim.py, for tests).
 
 Kernels:
 - ``mv``: decode matvec for a few tokens, dense or expert-gathered (``mul_mv_id``): f32 activations, weights
@@ -56,9 +57,10 @@ MM_BN_GATHER = 32
 MM_BN_CHOICES = (16, 32, 64)
 #: Up to this many tokens, dense and gathered products use the matvec kernel.
 MV_MAX_TOKENS = 8
-#: Matvec epilogues (mv.body ``EPI``): plain, SwiGLU of two weights (gate, up), sum over each token's experts.
-MV_PLAIN, MV_SWIGLU, MV_SUM = 0, 1, 2
-MV_EPILOGUES = (MV_PLAIN, MV_SWIGLU, MV_SUM)
+#: Matvec epilogues (mv.body ``EPI``): plain, SwiGLU of two weights (gate, up), sum over each token's experts,
+#: and an RMSNorm of the input first (dense).
+MV_PLAIN, MV_SWIGLU, MV_SUM, MV_RMS = 0, 1, 2, 3
+MV_EPILOGUES = (MV_PLAIN, MV_SWIGLU, MV_SUM, MV_RMS)
 #: Types the SwiGLU epilogue takes (F32 rows of two weights would not fit CUDA's 48 KB of static shared memory).
 MV_SWIGLU_TYPES = tuple(t for t in KERNEL_TYPES if t != QT.F32)
 
@@ -145,7 +147,7 @@ def _read(name: str) -> str:
 
 def render_prelude(backend: str) -> str:
     """Backend define plus the macro layer (ds_prelude.h): all that the fused kernels build on."""
-    define = {"metal": "#define DS_METAL\n", "cuda": "#define DS_CUDA\n"}[backend]
+    define = {"metal": "#define DS_METAL\n", "cuda": "#define DS_CUDA\n", "sim": "#define DS_CUDA\n#define DS_SIM\n"}[backend]
     return define + _read("ds_prelude.h")
 
 
@@ -158,7 +160,7 @@ def render_header(kind: str, backend: str, iq2_grid: bool = True) -> str:
 
 def render_source(kind: str, backend: str) -> str:
     """The kernel ``source``: backend prologue (names the thread attributes) plus the shared body."""
-    prologue = {"metal": METAL_PROLOGUE, "cuda": CUDA_PROLOGUE}[backend]
+    prologue = METAL_PROLOGUE if backend == "metal" else CUDA_PROLOGUE  # "sim" runs the CUDA text
     return minify(prologue) + _read(f"{kind}.body")
 
 
@@ -199,6 +201,10 @@ def build(name: str, input_names: list[str], output_names: list[str], header: st
         make = mx.fast.metal_kernel
     elif backend == "cuda":
         make, header, source = mx.fast.cuda_kernel, as_include(header), as_include(source)
+    elif backend == "sim":
+        from .sim import SimKernel
+
+        return SimKernel(name, input_names, output_names, header, source)
     else:
         raise ValueError(f"no kernels for backend {backend!r}")
     return make(name=name, input_names=input_names, output_names=output_names, source=source, header=header)
@@ -253,7 +259,8 @@ def instantiations() -> list[Instantiation]:
         nsg = MV_CONFIG[qt][1]
         for gather in (False, True):
             for epi in MV_EPILOGUES:
-                if (epi == MV_SUM and not gather) or (epi == MV_SWIGLU and qt not in MV_SWIGLU_TYPES):
+                if ((epi == MV_SUM and not gather) or (epi == MV_RMS and gather)
+                        or (epi == MV_SWIGLU and qt not in MV_SWIGLU_TYPES)):  # fmt: skip
                     continue
                 nr = mv_config(qt, 1, 1, epi)[0]
                 for ks in (1, nsg):
@@ -348,7 +355,8 @@ def mv(
 
     Epilogues (mv.body): ``MV_SWIGLU`` reads ``w2`` (the up weight, same type and shape) next to ``qw`` (gate)
     and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
-    ``MV_SUM`` (gathered) returns ``[P/k, out]``, each token's k products summed, plus ``aux`` if given.
+    ``MV_SUM`` (gathered) returns ``[P/k, out]``, each token's k products summed, plus ``aux`` if given;
+    ``MV_RMS`` (dense) returns ``W @ rms_norm(x, aux, clamp)``: ``aux [in]`` is the norm weight, ``clamp`` eps.
     ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG).
     """
     gather = ids is not None
@@ -356,6 +364,8 @@ def mv(
         w2 is None or (w2.shape, w2.qtype) != (qw.shape, qw.qtype) or qw.qtype not in MV_SWIGLU_TYPES
     ):
         raise ValueError(f"mv: the SwiGLU epilogue needs an up weight like {qw!r} of a type in MV_SWIGLU_TYPES")
+    if epi == MV_RMS and (gather or aux is None or aux.shape != (qw.shape[-1],) or aux.dtype != mx.float32):
+        raise ValueError(f"mv: the RMSNorm epilogue is dense and needs the norm weight as float32 aux [{qw.shape[-1]}]")
     n_x = x2.size // qw.shape[-1]  # rows of x
     P = ids.size if gather else n_x
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
@@ -519,6 +529,16 @@ def matmul(qw, x: mx.array, backend: str) -> mx.array:
     else:
         y = mm_dense(qw, x2, backend)
     return y.reshape(*lead, qw.shape[0])
+
+
+def matmul_rms(qw, x: mx.array, norm: mx.array, eps: float, backend: str) -> mx.array:
+    """``rms_norm(x, norm, eps) @ W.T`` on the GPU backends: one matvec launch with the norm as its prologue
+    for decode-sized x, else MLX's rms_norm then :func:`matmul`."""
+    N = x.size // qw.shape[-1]
+    if 0 < N <= MV_MAX_TOKENS and supports(qw) and not (qw.qtype == QT.Q8_0 and q8_mode() == "affine"):
+        x = x if x.dtype == mx.float32 else x.astype(mx.float32)
+        return mv(qw, x, backend, epi=MV_RMS, aux=norm, clamp=eps, shape=(*x.shape[:-1], qw.shape[0]))
+    return matmul(qw, mx.fast.rms_norm(x, norm, eps), backend)
 
 
 def gather_matmul(qw, x: mx.array, ids: mx.array, backend: str) -> mx.array:

@@ -20,6 +20,7 @@
 #define DS_U32_AS_F(u) as_type<float>((uint32_t)(u))
 #define DS_F_AS_U32(f) as_type<uint32_t>((float)(f))
 #define DS_EXP(x) metal::exp(x)
+#define DS_SQRT(x) metal::sqrt(x)
 #define DS_FMA(a, b, c) metal::fma((a), (b), (c))
 #define DS_FLOAT4(a, b, c, d) float4((a), (b), (c), (d))
 #define DS_POPC(x) popcount(x)
@@ -44,7 +45,9 @@ DS_FN void ds_store_tile4(threadgroup ds_tile_t* dst, float a, float b, float c,
   *((threadgroup float4*)dst) = float4(DS_TILE(a), DS_TILE(b), DS_TILE(c), DS_TILE(d));
 }
 #elif defined(DS_CUDA)
+#ifndef DS_SIM  // custom_kernels/sim.h: this text run on the CPU
 #include <mma.h>
+#endif
 #define DS_FN __device__ __forceinline__
 #define DS_DEV
 #define DS_TG
@@ -60,17 +63,25 @@ DS_FN void ds_store_tile4(threadgroup ds_tile_t* dst, float a, float b, float c,
 #define DS_U32_AS_F(u) __uint_as_float((uint32_t)(u))
 #define DS_F_AS_U32(f) __float_as_uint((float)(f))
 #define DS_EXP(x) expf(x)
+#define DS_SQRT(x) sqrtf(x)
 #define DS_FMA(a, b, c) fmaf((a), (b), (c))
 #define DS_FLOAT4(a, b, c, d) make_float4((a), (b), (c), (d))
 #define DS_POPC(x) __popc(x)
 #define DS_ATOMIC_ADD(p, v) atomicAdd((p), (v))
 #define DS_ASYNC_COPIES 1
 #define DS_BYTE_BITS(w, i) __byte_perm((w), 0x4B000000u, 0x7650u | (i))  // one PRMT
+#if defined(DS_SIM)  // no PTX on the CPU: the copy lands at once
+#define DS_ASYNC_COPY8(dst, src) ds_sim_copy8((dst), (src))
+#define DS_ASYNC_COMMIT()
+#define DS_ASYNC_WAIT_ALL()
+#define DS_ASYNC_WAIT_PREV()
+#else
 #define DS_ASYNC_COPY8(dst, src) \
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src))
 #define DS_ASYNC_COMMIT() asm volatile("cp.async.commit_group;\n" ::)
 #define DS_ASYNC_WAIT_ALL() asm volatile("cp.async.wait_group 0;\n" ::)
 #define DS_ASYNC_WAIT_PREV() asm volatile("cp.async.wait_group 1;\n" ::)
+#endif
 #define DS_BF16_ROUND(x) __bfloat162float(__float2bfloat16_rn(x))
 // Prefill tiles: bf16 in shared memory for wmma (f32 accumulation).
 typedef __nv_bfloat16 ds_tile_t;

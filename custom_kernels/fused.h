@@ -1,14 +1,6 @@
 // fused.h: small helpers of the fused hyper-connection and compressor kernels (hc_pre, hc_post, comp_pool).
 // Appended after ds_prelude.h by custom_kernels/fused.py; uses only the prelude's DS_* macros plus the
-// two math wrappers below (guarded so a later prelude may define them instead).
-
-#ifndef DS_SQRT
-#if defined(DS_METAL)
-#define DS_SQRT(x) sqrt(x)
-#else
-#define DS_SQRT(x) sqrtf(x)
-#endif
-#endif
+// DS_RINT / DS_FABS wrappers below (guarded so a later prelude may define them instead).
 
 #ifndef DS_SHFL_XOR
 #error "fused.h needs DS_SHFL_XOR from ds_prelude.h"
@@ -40,20 +32,6 @@ DS_FN float dsf_simd_max(float v) {
   for (int m = 16; m > 0; m >>= 1) v = dsf_max(v, DS_SHFL_XOR(v, m));
   return v;
 }
-// Exact power-of-two helpers (numerics.py): 2^e from exponent bits, floor/ceil of log2 of a positive normal.
-DS_FN float ds_pow2i(int e) { return DS_U32_AS_F((uint32_t)(e + 127) << 23); }
-DS_FN int ds_exponent(float t) { return (int)((DS_F_AS_U32(t) >> 23) & 0xFFu) - 127; }
-DS_FN int ds_ceil_log2(float t) { return ds_exponent(t) + ((DS_F_AS_U32(t) & 0x7FFFFFu) == 0u ? 0 : 1); }
-// Nearest FP8-E4M3FN value of |v| <= 448, ties to the even code (numerics.fp8_e4m3_round).
-DS_FN float ds_fp8_e4m3(float v) {
-  const float a = DS_FABS(v);
-  int e = ds_exponent(dsf_max(a, 0.015625f));
-  e = e < -6 ? -6 : e;
-  const float quantum = ds_pow2i(e - 3);
-  const float r = DS_RINT(a / quantum) * quantum;
-  return v < 0.0f ? -r : r;
-}
-
 // log1p(u) for u >= 0: log1pf on CUDA; Metal has no log1p, so the classic correction (Goldberg) keeps it
 // accurate to a few ulps where 1 + u rounds.
 #if defined(DS_METAL)

@@ -10,8 +10,8 @@ prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) 
   post (:func:`hc_post_pre`).
 - ``hc_post.body``: HC post (§4.9), ``S_new = post ⊗ y + Cᵀ S``.
 - ``comp_pool.body``: the compressor's window pooling, RMSNorm × weight and RoPE at the window start
-  (§4.6 steps 4–6); the FP8/QAT/f16r simulations that follow stay in MLX. For the decode token that completes
-  a window it also writes that token and emits the next frontier (:func:`compressor_emit`).
+  (§4.6 steps 4–6) and ds4's FP8/QAT/f16r rounding of the row. For the decode token that completes a window
+  it also writes that token and emits the next frontier (:func:`compressor_emit`).
 - ``comp_write.body``: one decode token's write into its compressor frontier (row and APE-biased score).
 - ``qkv_rows.body``: the query heads' RMS norm and RoPE, and the KV row's norm, RoPE, FP8 and f16 rounding
   (§4.4, §4.12), in one launch instead of ~15 MLX ops; in decode it also writes the new raw window.
@@ -76,6 +76,7 @@ class KernelSpec:
     outputs: tuple[str, ...]
     template: tuple[str, ...]
     out_types: tuple[str, ...] = ()  # per output; default float
+    header: str = ""  # an extra header file after fused.h (only the kernels that need it carry its text)
 
     def out_type(self, i: int) -> str:
         return self.out_types[i] if self.out_types else "float"
@@ -103,7 +104,9 @@ SPECS = {
         (("kv", "float"), ("score", "float"), ("norm", "float"), ("rc", "float"), ("rs", "float"), ("fparams", "float"),
          ("kv_row", "float"), ("score_row", "float"), ("ape", "float"), ("at", "int32_t")),
         ("row", "kv_out", "score_out"),
-        ("HD", "ROWS", "LANES", "EMIT"),
+        ("HD", "ROWS", "LANES", "EMIT", "ROUND", "NOPE", "F16R"),
+        ("half", "float", "float"),  # the compile check's row type: the compressed KV cache's (f32 works too)
+        "rounding.h",
     ),
     "comp_write": KernelSpec(
         (("kv", "float"), ("score", "float"), ("kv_row", "float"), ("score_row", "float"), ("ape", "float"),
@@ -123,8 +126,9 @@ SPECS = {
         ("q", "kv"),
         ("HD", "NH", "NOPE", "F16R", "WIN"),
         ("float", "half"),
+        "rounding.h",
     ),
-    "index_q": KernelSpec((("qb", "float"), ("rc", "float"), ("rs", "float")), ("q",), ("NH", "QAT")),
+    "index_q": KernelSpec((("qb", "float"), ("rc", "float"), ("rs", "float")), ("q",), ("NH", "QAT"), header="rounding.h"),
     "index_scores": KernelSpec(
         (("iq", "float"), ("w", "float"), ("keys", "float"), ("counts", "int32_t"), ("params", "int32_t"),
          ("fparams", "float")),
@@ -142,16 +146,18 @@ SPECS = {
 # --- rendering and building -----------------------------------------------------------------------------
 
 
-def render_fused_header(backend: str) -> str:
-    """The macro layer (backend define + ds_prelude.h) followed by ``fused.h``; no block decoding."""
-    return render_prelude(backend) + _read("fused.h")
+def render_fused_header(backend: str, kind: str | None = None) -> str:
+    """The macro layer (backend define + ds_prelude.h) followed by ``fused.h`` and kernel ``kind``'s extra
+    header, if any; no block decoding."""
+    extra = SPECS[kind].header if kind else ""
+    return render_prelude(backend) + _read("fused.h") + (_read(extra) if extra else "")
 
 
 @lru_cache(maxsize=None)
 def get_fused_kernel(kind: str, backend: str):
     """Build fused kernel ``kind`` once per backend (MLX caches each template specialization)."""
     spec = SPECS[kind]
-    return build(f"ds_{kind}", [n for n, _ in spec.inputs], list(spec.outputs), render_fused_header(backend),
+    return build(f"ds_{kind}", [n for n, _ in spec.inputs], list(spec.outputs), render_fused_header(backend, kind),
                  render_source(kind, backend), backend)  # fmt: skip
 
 
@@ -163,7 +169,9 @@ def instantiations() -> list[tuple[str, tuple]]:
     out += [("hc_mix", (("NHC", 4), ("POST", p))) for p in (0, 1)]
     out.append(("hc_post", (("NHC", 4),)))
     for hd, rows, lanes in ((512, 8, 2), (128, 8, 2), (512, 128, 1), (128, 16, 1), (128, 128, 1)):
-        out += [("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", e))) for e in (0, 1)]
+        rnd = (("ROUND", 1), ("NOPE", 448), ("F16R", 1)) if hd == 512 else (("ROUND", 2), ("NOPE", 0), ("F16R", 1))
+        out += [("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", e)) + r)
+                for e in (0, 1) for r in (rnd, (("ROUND", 0), ("NOPE", 0), ("F16R", 0)))]  # fmt: skip
     out.append(("comp_write", ()))
     for hd in (512, 128):
         out += [("attn_one", (("HD", hd), ("NSG", ATTN_NSG), ("USE_IDX", u), ("KV16", 1))) for u in (0, 1)]
@@ -196,7 +204,7 @@ def render_cuda_unit(insts: list[tuple[str, tuple]]) -> str:
         params = ", ".join(ins + [f"{spec.out_type(j)}* {o}" for j, o in enumerate(spec.outputs)])
         consts = "".join(f"constexpr int {k} = {int(v)};\n" for k, v in template)
         parts.append(
-            f"namespace ds_fu{i} {{\n{render_fused_header('cuda')}\n"
+            f"namespace ds_fu{i} {{\n{render_fused_header('cuda', kind)}\n"
             f"namespace mlx {{ namespace core {{ namespace cu {{ namespace cg = cooperative_groups;\n"
             f"__global__ void custom_kernel_ds_{tag(kind, template)}({params}) {{\n{consts}"
             f"{render_source(kind, 'cuda')}\n}}\n}}}}}}\n}}\n"
@@ -405,14 +413,18 @@ def compressor_pool(
     eps: float,
     *,
     lanes: int = 1,
+    rounding: Any = None,
+    out_dtype: mx.Dtype = mx.float32,
     backend: str | None = None,
 ) -> mx.array:
-    """Pool, norm and RoPE finished compressor windows (MODEL.md §4.6 steps 4–6) -> ``[nw, hd]``.
+    """Pool, norm and RoPE finished compressor windows (MODEL.md §4.6 steps 4–6), then ds4's storage rounding
+    ``rounding`` (a :class:`ds4_mlx.numerics.RowRounding`, or ``None``) -> ``[nw, hd]`` as ``out_dtype``
+    (float32, or float16 when the rounding ends in f16).
 
     ``lanes=1``: ``kv``/``score`` are the entries ``[nw, n_ent, hd]`` (what ``Compressor._finish`` builds).
     ``lanes=2``: the ratio-4 frontier layout ``[nw, 2r, 2hd]`` (lane A of rows 0..r-1, lane B of rows r..2r-1),
     so decode can pass the state directly. Scores already include APE. ``norm [hd]``; ``C, S [nw, hd]`` are
-    ``Rope.tables(window_starts, hd)``. The FP8/QAT/f16r rounding (``finish_row``) is left to the caller.
+    ``Rope.tables(window_starts, hd)``.
     """
     b = _pick(backend)
     if kv.ndim != 3 or lanes not in (1, 2):
@@ -426,29 +438,57 @@ def compressor_pool(
     _check_f32("compressor_pool: norm", norm, (hd,))
     _check_f32("compressor_pool: C", C, (nw, hd))
     _check_f32("compressor_pool: S", S, (nw, hd))
+    _check_pool_out("compressor_pool", rounding, out_dtype)
+    rnd = _rounding_template(rounding, hd)
     if b == "fallback" or not _pool_kernel_fits(hd) or nw == 0:
-        return _pool_reference(kv, score, norm, C, S, eps, lanes)
+        return _finish_rows(_pool_reference(kv, score, norm, C, S, eps, lanes), rounding, out_dtype)
     f, i = _dummy(mx.float32), _dummy(mx.int32)
-    return get_fused_kernel("comp_pool", b)(
+    row = get_fused_kernel("comp_pool", b)(
         inputs=[kv, score, norm, C, S, _f32(float(eps)), f, f, f, i],
-        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 0)],
+        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 0), *(rnd or _rounding_template(None, hd))],
         grid=(nw * hd, 1, 1),
         threadgroup=(hd, 1, 1),
         output_shapes=[(nw, hd), (1,), (1,)],
-        output_dtypes=[mx.float32] * 3,
+        output_dtypes=[out_dtype if rnd else mx.float32, mx.float32, mx.float32],
     )[0]
+    return row if rnd else _finish_rows(row, rounding, out_dtype)
 
 
 def _pool_kernel_fits(hd: int) -> bool:
     return hd % 32 == 0 and hd <= 1024  # one thread per output dim, whole simdgroups
 
 
+def _rounding_template(rounding: Any, hd: int) -> tuple | None:
+    """comp_pool's (ROUND, NOPE, F16R) for a :class:`ds4_mlx.numerics.RowRounding` (``None``: no rounding);
+    ``None`` where the kernel cannot apply it (then the caller rounds in MLX)."""
+    if rounding is None:
+        return (("ROUND", 0), ("NOPE", 0), ("F16R", 0))
+    fp8, qat = int(rounding.fp8_dims), bool(rounding.qat)
+    if (fp8 and qat) or (fp8 and (fp8 % 64 or fp8 > hd or hd % 64)) or (qat and hd != 128):
+        return None
+    return (("ROUND", 1 if fp8 else (2 if qat else 0)), ("NOPE", fp8), ("F16R", int(bool(rounding.f16))))
+
+
+def _check_pool_out(kernel: str, rounding: Any, out_dtype: mx.Dtype) -> None:
+    if out_dtype not in (mx.float32, mx.float16):
+        raise ValueError(f"{kernel}: out_dtype must be float32 or float16, got {out_dtype}")
+    if out_dtype == mx.float16 and not (rounding is not None and rounding.f16):
+        raise ValueError(f"{kernel}: a float16 row needs a rounding with f16 (the row must be f16-exact)")
+
+
+def _finish_rows(row: mx.array, rounding: Any, out_dtype: mx.Dtype) -> mx.array:
+    """MLX's rounding and cast of pooled rows (the fallback, or where the kernel cannot round)."""
+    return (row if rounding is None else rounding(row)).astype(out_dtype)
+
+
 def compressor_emit(
     kv: mx.array, score: mx.array, kv_row: mx.array, score_row: mx.array, ape: mx.array, at: mx.array,
-    norm: mx.array, C: mx.array, S: mx.array, eps: float, *, lanes: int, neg: float, backend: str | None = None,
+    norm: mx.array, C: mx.array, S: mx.array, eps: float, *, lanes: int, neg: float, rounding: Any = None,
+    out_dtype: mx.Dtype = mx.float32, backend: str | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
     """The decode token that completes a window: :func:`compressor_write` of its row, :func:`compressor_pool`
-    of the frontier, then the next frontier (MODEL.md §4.6) -> ``(row [1, hd], kv, score)``.
+    of the frontier (``rounding``, ``out_dtype`` as there), then the next frontier (MODEL.md §4.6)
+    -> ``(row [1, hd], kv, score)``.
 
     The next frontier: with ``lanes=2`` (ratio 4) the finished window's rows ``r..2r-1`` become rows ``0..r-1``
     and rows ``r..`` are empty (kv 0, score ``neg``); with ``lanes=1`` it is all empty. On the GPU one launch.
@@ -464,22 +504,26 @@ def compressor_emit(
                            ("C", C, (1, hd)), ("S", S, (1, hd))):  # fmt: skip
         _check_f32(f"compressor_emit: {name}", a, shape)
     _check_at("compressor_emit", at)
+    _check_pool_out("compressor_emit", rounding, out_dtype)
+    rnd = _rounding_template(rounding, hd)
     if b == "fallback" or not _pool_kernel_fits(hd):
         kv, score = compressor_write(kv, score, kv_row, score_row, ape, at, backend="fallback")
-        row = compressor_pool(kv[None], score[None], norm, C, S, eps, lanes=lanes, backend="fallback")
+        row = compressor_pool(kv[None], score[None], norm, C, S, eps, lanes=lanes, rounding=rounding,
+                              out_dtype=out_dtype, backend="fallback")  # fmt: skip
         empty = (rows // lanes, width)
         empty_kv, empty_sc = mx.zeros(empty, mx.float32), mx.full(empty, neg, mx.float32)
         if lanes == 2:
             return row, mx.concatenate([kv[rows // 2 :], empty_kv]), mx.concatenate([score[rows // 2 :], empty_sc])
         return row, empty_kv, empty_sc
-    return tuple(get_fused_kernel("comp_pool", b)(
+    row, kv, score = get_fused_kernel("comp_pool", b)(
         inputs=[kv, score, norm, C, S, _f32(float(eps), float(neg)), kv_row, score_row, ape, at],
-        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1)],
+        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1), *(rnd or _rounding_template(None, hd))],
         grid=(hd, 1, 1),
         threadgroup=(hd, 1, 1),
         output_shapes=[(1, hd), (rows, width), (rows, width)],
-        output_dtypes=[mx.float32] * 3,
-    ))  # fmt: skip
+        output_dtypes=[out_dtype if rnd else mx.float32, mx.float32, mx.float32],
+    )
+    return (row if rnd else _finish_rows(row, rounding, out_dtype)), kv, score
 
 
 #: Threads per threadgroup of the compressor frontier write.

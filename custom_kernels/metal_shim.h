@@ -39,6 +39,7 @@ T as_type(U u) { static_assert(sizeof(T) == sizeof(U), "as_type size"); T t; std
 
 namespace metal {
 inline float exp(float x) { return std::exp(x); }
+inline float sqrt(float x) { return std::sqrt(x); }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 inline float rint(float x) { return std::nearbyint(x); }
 inline float log(float x) { return std::log(x); }

@@ -175,19 +175,28 @@ def f16r(x: mx.array) -> mx.array:
 # --- the switches applied to rows -----------------------------------------------------------------------
 
 
-def kv_row(x: mx.array, numerics: Numerics, nope_dim: int) -> mx.array:
+@dataclass(frozen=True)
+class RowRounding:
+    """How ds4 stores a finished row: an FP8 round trip of its first ``fp8_dims`` dims (KV rows) or the
+    indexer QAT, then f16r; as one value, so the compressor kernels can apply it where the row is made."""
+
+    fp8_dims: int = 0  # 0: no FP8
+    qat: bool = False
+    f16: bool = False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.fp8_dims:
+            x = fp8_e4m3_round_trip(x, self.fp8_dims)
+        if self.qat:
+            x = indexer_qat(x)
+        return f16r(x) if self.f16 else x
+
+
+def kv_rounding(numerics: Numerics, nope_dim: int) -> RowRounding:
     """A KV row (raw or compressed) as ds4 stores it: FP8 on the nope dims, then f16r."""
-    if numerics.fp8_kv:
-        x = fp8_e4m3_round_trip(x, nope_dim)
-    if numerics.f16_cache:
-        x = f16r(x)
-    return x
+    return RowRounding(fp8_dims=nope_dim if numerics.fp8_kv else 0, f16=numerics.f16_cache)
 
 
-def indexer_row(x: mx.array, numerics: Numerics) -> mx.array:
+def indexer_rounding(numerics: Numerics) -> RowRounding:
     """An indexer compressed row as ds4 stores it: QAT, then f16r."""
-    if numerics.indexer_qat:
-        x = indexer_qat(x)
-    if numerics.f16_cache:
-        x = f16r(x)
-    return x
+    return RowRounding(qat=numerics.indexer_qat, f16=numerics.f16_cache)

@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx import quants
 
-BACKENDS = ("fallback", "metal", "cuda")
+#: ``sim`` runs the kernels' CUDA text on the CPU (custom_kernels/sim.py): for tests and kernel work, slow.
+BACKENDS = ("fallback", "metal", "cuda", "sim")
 _backend_override: str | None = None
 
 # Largest f32 weight slab (elements) the fallback dequantizes at once: 2**26 floats = 256 MiB.
@@ -171,6 +172,13 @@ class QuantWeight:
         if backend != "fallback":
             return _kernels().matmul(self, x, backend)
         return self._fallback_matmul(x)
+
+    def matmul_rms(self, x: mx.array, norm: mx.array, eps: float) -> mx.array:
+        """``rms_norm(x, norm, eps) @ W.T``: on the GPU backends the norm is the matvec's prologue (one launch)."""
+        backend = kernel_backend()
+        if backend != "fallback" and len(self.shape) == 2 and x.shape[-1] == self.in_features:
+            return _kernels().matmul_rms(self, x, norm, eps, backend)
+        return self.matmul(mx.fast.rms_norm(x, norm, eps))
 
     def gather_matmul(self, x: mx.array, ids: mx.array) -> mx.array:
         """Expert-gathered product for a 3-D ``(E, out, in)`` weight.

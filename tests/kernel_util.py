@@ -15,9 +15,29 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx import quants
+from ds4_mlx import weights
 from ds4_mlx.weights import QuantWeight
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def kernel_test_backend() -> str:
+    """Where the kernel tests run the kernels: the GPU backend if there is one, else ``sim`` (the CUDA text on
+    the CPU, custom_kernels/sim.py) if a C++ compiler is found, else ``fallback`` (kernel tests skip)."""
+    weights.set_kernel_backend(None)
+    try:
+        b = weights.kernel_backend()
+    except Exception:
+        b = "fallback"
+    if b == "fallback":
+        from ds4_mlx.kernels.sim import compiler
+
+        b = "sim" if compiler() else "fallback"
+    return b
+
+
+#: On the ``sim`` backend only shapes that run in seconds (a launch runs its threads one after another).
+SIM = kernel_test_backend() == "sim"
 
 
 def make_weight(rng, qt: QT, shape, ref_dtype=np.float64) -> tuple[QuantWeight, np.ndarray]:

@@ -189,7 +189,7 @@ def test_kernel_sources_stay_small():
         assert size <= (21_000 if inst.iq2_grid else 14_000), (inst.tag, size)
     assert "0x" not in kernels.render_header("mv", "cuda", False).split("DS_IQ2_GRID_WORDS", 1)[1].split("\n", 1)[0]
     for kind in kernels.fused.SPECS:
-        size = len(kernels.fused.render_fused_header("metal")) + len(kernels.render_source(kind, "metal"))
+        size = len(kernels.fused.render_fused_header("metal", kind)) + len(kernels.render_source(kind, "metal"))
         assert size <= 9_500, (kind, size)
         assert "ds_dot32" not in kernels.fused.render_fused_header("cuda")
 

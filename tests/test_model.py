@@ -58,7 +58,7 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
     res = bench.main(["--shape", "tiny", "--prefill", "23", "--chunk", "10", "--decode", "2", "--reps", "1",
                       "--json", str(out)])
     # the pipelined decode ran at: prompt + warm-up + sync + pipelined (then the op-by-op runs)
-    assert json.loads(out.read_text())["decode_ctx"] == 23 + 8 + 2 + 2
+    assert json.loads(out.read_text())["decode_ctx"] == 23 + 2 + 2  # the warm-up ran on a restored snapshot
     split = res["decode_host_split_ms"]
     assert set(split) == {"build", "encode", "wait"} and split["encode"] > 0 and split["build"] > 0
     assert res["decode_ms"] > 0 and res["decode_uncompiled_ms"] > 0 and res["prefill_tok_s"] > 0 and 0 < res["floor_ratio"]
@@ -100,7 +100,9 @@ def test_decode_step_launch_budget():
     the compressor write, the indexer scores and the raw window as kernels; raise the budget only for a change
     that needs the ops. View ops (reshapes, slices, dtype views) cost the host too (MLX replays and encodes every
     node): 43 layers at ctx 600 had 868 before the launch wrappers passed arrays as they are shaped and the
-    cached weight views were materialized, 332 after (8.8 a layer here).
+    cached weight views were materialized, 332 after (8.8 a layer here). 24.8 launches a layer with the q_a
+    norm as the q_b matvec's prologue. A step that completes the ratio-4 windows (ctx 67) had ~33 before their
+    rows' FP8/QAT/f16 rounding moved into the emit launch, 26.2 after.
     """
     import importlib.util
     from pathlib import Path
@@ -111,8 +113,11 @@ def test_decode_step_launch_budget():
     spec.loader.exec_module(gc)
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
     assert res["compiled"] and res["kernel_launches"] >= 6 * 18  # the custom kernels were on the path
-    assert res["launches_per_layer"] <= 26, res
+    assert res["launches_per_layer"] <= 25, res
     assert res["view_ops"] <= 10 * 6, res
+    res = gc.main(["--layers", "6", "--ctx", "67", "--reps", "2"])  # this step completes the ratio-4 windows
+    assert res["launches_per_layer"] <= 27, res
+    assert res["view_ops"] <= 11 * 6, res
 
 
 def test_kernel_profile_reads_ncu_csv(tmp_path, capsys):

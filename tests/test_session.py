@@ -9,7 +9,8 @@ import pytest
 from ds4_mlx.loader import load
 from ds4_mlx.numerics import PROFILES
 from ds4_mlx.session import Session
-from ds4_mlx.weights import kernel_backend
+from ds4_mlx.kernels.sim import compiler
+from ds4_mlx.weights import kernel_backend, set_kernel_backend
 
 GPU = kernel_backend() in ("metal", "cuda")
 # On the GPU, prefill products of more than 8 tokens run the mm kernel, whose tiles round both operands to
@@ -101,6 +102,29 @@ def test_gpu_decode_steps_match_exact_prefill(model):
         mx.set_default_device(mx.gpu)
     s = Session(model)
     assert _rel(np.stack([np.array(s.step(t)) for t in tokens]), exact) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GPU or compiler() is None, reason="a GPU runs the real kernels; the sim backend needs g++")
+def test_sim_decode_steps_match_exact_prefill(model):
+    """Every decode kernel's CUDA text, run on the CPU by the sim backend, against the exact f32 full prefill:
+    six steps after a 42-token prefill, through two ratio-4 windows and a ratio-16 one completing (pos 43, 47)
+    with the indexer selecting. Steps run op by op: a sim launch evaluates its inputs, which a compiled step
+    cannot."""
+    if model.numerics != PROFILES["hf"]:
+        pytest.skip("hf profile only (FP8/f16 rounding may flip on last-bit differences)")
+    tokens = prompt(48)
+    exact = np.array(model(tokens, 0, model.make_cache(), all_logits=True))
+    s = Session(model)
+    s.prefill(tokens[:42])
+    set_kernel_backend("sim")
+    model.set_compile_decode(False)
+    try:
+        got = np.stack([np.array(s.step(t)) for t in tokens[42:]])
+    finally:
+        set_kernel_backend(None)
+        model.set_compile_decode(True)
+    assert _rel(got, exact[42:]) <= 1e-5
 
 
 def test_prefill_rejects_empty(model):

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels.fused import attend_one, kernel_counts, qkv_rows, top_k_rows  # Metal/CUDA kernels; MLX on CPU
-from ..numerics import Numerics, get_numerics, kv_row
+from ..numerics import Numerics, get_numerics, kv_rounding
 from ..weights import QuantWeight
 from .compressor import Compressor, CompressorState, index_array
 from .indexer import Indexer, select_top_k, selected_indices
@@ -222,7 +222,7 @@ class Attention:
         if self.ratio:
             self.compressor = Compressor(
                 cfg, il, weights, "attn_compressor", self.head_dim, self.ratio, self.rope,
-                lambda c: kv_row(c, self.numerics, self.nope),
+                kv_rounding(self.numerics, self.nope), self.kv_dtype,
             )  # fmt: skip
         if cfg.has_indexer(il):
             self.indexer = Indexer(cfg, il, weights, self.numerics, self.rope)
@@ -260,7 +260,7 @@ class Attention:
             return y
         D, W, r = self.head_dim, self.n_swa, self.ratio
         C, S = self.rope.tables(pos + np.arange(T), D)  # [T, D] each
-        qr, q, kv = self._project(n, C, S)
+        qa, q, kv = self._project(n, C, S)
 
         # Raw window: the last W-1 carried rows + the chunk's rows; key j sits at position pos - keep + j.
         keep = min(cache.n_raw, W - 1)
@@ -278,7 +278,7 @@ class Attention:
         outs = []
         for i0 in range(0, T, B):
             i1 = min(T, i0 + B)
-            outs.append(self._attend_block(q[i0:i1], qr[i0:i1], n[i0:i1], pos, i0, raw_keys, keep, cache))
+            outs.append(self._attend_block(q[i0:i1], qa[i0:i1], n[i0:i1], pos, i0, raw_keys, keep, cache))
         o = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [T, H, D]
         o = apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
         y = self.attn_output_b.matmul(self._grouped_output_a(o))  # [T, E]
@@ -290,15 +290,17 @@ class Attention:
     def _project(
         self, n: mx.array, C: mx.array, S: mx.array, window: tuple[mx.array, int, mx.dtype] | None = None
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """Normed input ``n [T, E]`` -> ``qr [T, q_lora]``, RoPE'd ``q [T, H, D]`` and the stored KV row (with
-        ``window``, the new raw window: see :func:`qkv_rows`)."""
+        """Normed input ``n [T, E]`` -> ``qa [T, q_lora]`` (``attn_q_a n``, before its norm: ``qr = rms(qa) *
+        attn_q_a_norm`` is the prologue of each matvec that reads it), RoPE'd ``q [T, H, D]`` and the stored KV
+        row (with ``window``, the new raw window: see :func:`qkv_rows`)."""
         q_a_kv = self.attn_q_a_kv.matmul(n)  # [T, q_lora + D]: attn_q_a n, then attn_kv n
-        qr = mx.fast.rms_norm(q_a_kv[:, : self.q_lora], self.attn_q_a_norm, self.eps)  # [T, q_lora]
+        qa = q_a_kv[:, : self.q_lora]
         q, kv = qkv_rows(  # q = rope(headrms(q_b qr)) [T, H, D]; kv = kv_row(rope(rms(attn_kv n))) [T, D]
-            self.attn_q_b.matmul(qr), q_a_kv[:, self.q_lora :], self.attn_kv_a_norm, C, S, self.eps, self.n_head,
-            nope_fp8=self.nope if self.numerics.fp8_kv else 0, f16r=self.numerics.f16_cache, window=window,
+            self.attn_q_b.matmul_rms(qa, self.attn_q_a_norm, self.eps), q_a_kv[:, self.q_lora :],
+            self.attn_kv_a_norm, C, S, self.eps, self.n_head, nope_fp8=self.nope if self.numerics.fp8_kv else 0,
+            f16r=self.numerics.f16_cache, window=window,
         )  # fmt: skip
-        return qr, q, kv
+        return qa, q, kv
 
     # --- one-token decode: a pure function of arrays, so a step can be compiled --------------------------
 
@@ -335,7 +337,7 @@ class Attention:
         whose first ``n_vis`` rows are visible, so shapes repeat from token to token."""
         W, r = self.n_swa, self.ratio
         raw = st["raw"]  # the new raw window [keep+1 <= W, D] comes out of the Q/KV launch
-        qr, q, window = self._project(n, io["C"], io["S"], (raw, min(raw.shape[0], W - 1), self.kv_dtype))
+        qa, q, window = self._project(n, io["C"], io["S"], (raw, min(raw.shape[0], W - 1), self.kv_dtype))
         st = dict(st, raw=window)
         if self.n_f16 is not None:  # one matvec for the compressors' and the indexer's projections of n
             ckv, cg, hw, ikv, ig = _split(self.n_f16.matmul(n), self.n_f16_cols)
@@ -355,7 +357,7 @@ class Attention:
         comp = st["comp"] if key.has_comp else None  # [capacity, D]: attend_one reads its first counts[1] rows
         idx = None
         if key.select:  # attend to the indexer's top-k rows only
-            scores = self.indexer.scores(qr, hw, io["Ci"], io["Si"], st["index"], io["index_counts"])  # [1, capacity]
+            scores = self.indexer.scores(qa, hw, io["Ci"], io["Si"], st["index"], io["index_counts"])  # [1, capacity]
             idx = top_k_rows(scores, io["index_counts"], self.indexer.top_k)  # [1, k] of the first n_vis rows
         o = attend_one(q, st["raw"], comp, idx, io["counts"], self.attn_sinks, io["C"], io["S"], self.scale)
         return self.attn_output_b.matmul(self._grouped_output_a(o)), st
@@ -371,7 +373,7 @@ class Attention:
         return max(1, min(T, ATTN_BLOCK_BYTES // (4 * max(1, width))))
 
     def _attend_block(
-        self, q: mx.array, qr: mx.array, n: mx.array, pos: int, i0: int, raw_keys: mx.array, keep: int,
+        self, q: mx.array, qa: mx.array, n: mx.array, pos: int, i0: int, raw_keys: mx.array, keep: int,
         cache: LayerCache,
     ) -> mx.array:  # fmt: skip
         """Attention output ``[Tb, H, D]`` of the queries ``i0 .. i0+Tb-1`` of the chunk starting at ``pos``."""
@@ -395,7 +397,7 @@ class Attention:
             k = self.indexer.top_k if self.indexer is not None else 0
             if self.indexer is not None and nmax > k:
                 Ci, Si = self.rope.tables(pq, self.indexer.head_dim)
-                scores = self.indexer.scores(qr, self.indexer.head_weights(n), Ci, Si, cache.index[:nmax])  # [Tb, Nc]
+                scores = self.indexer.scores(qa, self.indexer.head_weights(n), Ci, Si, cache.index[:nmax])  # [Tb, Nc]
                 sel = select_top_k(scores, n_visible, k)  # [Tb, Nc]
                 if Tb == 1 or nmax >= GATHER_MIN_ROWS_PER_K * k:
                     # Attend to each query's k selected rows only (queries seeing < k rows get a mask).

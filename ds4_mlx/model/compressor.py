@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
 from ..kernels.fused import compressor_emit, compressor_pool, compressor_write, resident
+from ..numerics import RowRounding
 from ..weights import QuantWeight
 from .rope import Rope
 
@@ -69,14 +69,16 @@ class Compressor:
         hd: int,
         ratio: int,
         rope: Rope,
-        finish_row: Callable[[mx.array], mx.array],
+        rounding: RowRounding | None = None,
+        out_dtype: mx.Dtype = mx.float32,
     ):
         self.ratio, self.hd = ratio, hd
         self.coff = 2 if ratio == 4 else 1
         self.width = self.coff * hd
         self.eps = cfg.rms_eps
         self.rope = rope
-        self.finish_row = finish_row  # FP8 or QAT, then f16r, as the numeric profile says
+        self.rounding = rounding  # how ds4 stores a finished row (FP8 or QAT, then f16r), as the profile says
+        self.out_dtype = out_dtype  # the finished rows' type: their cache's
         p = f"blk.{il}.{prefix}"
         # kv and gate rows stacked: both project the same input, so one matvec gives both [2*coff*hd, E]
         self.wkv_gate = QuantWeight.stack_rows([weights[f"{p}_kv.weight"], weights[f"{p}_gate.weight"]])
@@ -165,9 +167,9 @@ class Compressor:
             return (None, *compressor_write(kv, score, kv_row, score_row, io["ape"], io["at"]))  # [coff*r, w] each
         # Write, pool the frontier (one window's entries), and the next frontier: the finished window becomes
         # "previous" (ratio 4) and the new current one is empty.
-        c, kv, score = compressor_emit(kv, score, kv_row, score_row, io["ape"], io["at"], self.norm, io["C"],
-                                       io["S"], self.eps, lanes=self.coff, neg=NEG)  # fmt: skip
-        return self.finish_row(c), kv, score
+        return compressor_emit(kv, score, kv_row, score_row, io["ape"], io["at"], self.norm, io["C"], io["S"],
+                               self.eps, lanes=self.coff, neg=NEG, rounding=self.rounding,
+                               out_dtype=self.out_dtype)  # fmt: skip
 
     def _finish(self, ent_kv: mx.array, ent_sc: mx.array, starts) -> mx.array:
         """Pool finished windows, norm, RoPE at the window starts, round -> ``[nw, hd]``.
@@ -178,8 +180,8 @@ class Compressor:
         ``softmax -> weighted sum -> rms_norm -> apply_rope``.
         """
         C, S = self.rope.tables(starts, self.hd)
-        c = compressor_pool(ent_kv, ent_sc, self.norm, C, S, self.eps, lanes=self.coff)
-        return self.finish_row(c)
+        return compressor_pool(ent_kv, ent_sc, self.norm, C, S, self.eps, lanes=self.coff, rounding=self.rounding,
+                               out_dtype=self.out_dtype)  # fmt: skip
 
     def _ape_rows(self, pos: int, T: int) -> mx.array:
         """``ape[p mod r]`` for p in pos..pos+T-1 -> ``[T, w]``."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels.fused import index_query, index_scores, index_scores_reference  # Metal/CUDA kernels; MLX on CPU
-from ..numerics import Numerics, indexer_row
+from ..numerics import Numerics, indexer_rounding
 from .compressor import Compressor
 from .rope import Rope
 
@@ -32,10 +32,11 @@ class Indexer:
         self.n_head, self.head_dim, self.top_k = cfg.n_indexer_head, cfg.indexer_head_dim, cfg.indexer_top_k
         self.numerics, self.rope = numerics, rope
         self.wq_b = weights[f"blk.{il}.indexer.attn_q_b.weight"]  # [H_i*128, q_lora]
+        self.q_norm, self.eps = weights[f"blk.{il}.attn_q_a_norm.weight"], cfg.rms_eps  # qr = rms(qa) * q_norm
         self.wproj = weights[f"blk.{il}.indexer.proj.weight"]  # [H_i, E]
         self.scale = 1.0 / math.sqrt(self.head_dim * self.n_head)
         self.compressor = Compressor(
-            cfg, il, weights, "indexer_compressor", self.head_dim, 4, rope, lambda c: indexer_row(c, numerics)
+            cfg, il, weights, "indexer_compressor", self.head_dim, 4, rope, indexer_rounding(numerics)
         )
 
     def head_weights(self, n: mx.array) -> mx.array:
@@ -43,12 +44,14 @@ class Indexer:
         return self.wproj.matmul(n)
 
     def scores(
-        self, qr: mx.array, hw: mx.array, C: mx.array, S: mx.array, keys: mx.array, counts: mx.array | None = None
+        self, qa: mx.array, hw: mx.array, C: mx.array, S: mx.array, keys: mx.array, counts: mx.array | None = None
     ) -> mx.array:
-        """``score [T, N]`` of the indexer rows ``keys [N, 128]``; ``hw`` = :meth:`head_weights`, ``C, S [T, 128]``
-        the queries' RoPE tables. Decode passes ``counts`` (:func:`kernel_counts`): only the first ``counts[0]``
-        rows need scores, in one fused launch."""
-        iq = index_query(self.wq_b.matmul(qr), C, S, self.n_head, self.numerics.indexer_qat)  # [T, H_i, 128]
+        """``score [T, N]`` of the indexer rows ``keys [N, 128]``; ``qa [T, q_lora]`` the attention's ``attn_q_a n``
+        before its norm, ``hw`` = :meth:`head_weights`, ``C, S [T, 128]`` the queries' RoPE tables. Decode
+        passes ``counts`` (:func:`kernel_counts`): only the first ``counts[0]`` rows need scores, in one fused
+        launch."""
+        qb = self.wq_b.matmul_rms(qa, self.q_norm, self.eps)  # indexer.attn_q_b @ qr
+        iq = index_query(qb, C, S, self.n_head, self.numerics.indexer_qat)  # [T, H_i, 128]
         if counts is not None:
             return index_scores(iq, hw, keys, counts, self.scale)
         return index_scores_reference(iq, hw, keys, self.scale)  # [T, N]
