@@ -510,6 +510,16 @@ def q8_mode() -> str:
 # --- entry points used by QuantWeight -------------------------------------------------------------------------
 
 
+def _q8_affine(qw) -> bool:
+    """A Q8_0 weight that runs through MLX's affine 8-bit kernels (:func:`q8_mode`)."""
+    return qw.qtype == QT.Q8_0 and q8_mode() == "affine"
+
+
+def _dense_mv(qw, N: int) -> bool:
+    """Whether a dense product of ``N`` tokens runs the matvec kernel."""
+    return 0 < N <= MV_MAX_TOKENS and supports(qw) and not _q8_affine(qw)
+
+
 def matmul(qw, x: mx.array, backend: str) -> mx.array:
     """``x @ W.T`` on the GPU backends: x [..., in] → float32 [..., out]."""
     lead = x.shape[:-1]
@@ -518,10 +528,10 @@ def matmul(qw, x: mx.array, backend: str) -> mx.array:
     if N == 0:
         return mx.zeros((*lead, qw.shape[0]), dtype=mx.float32)
     x = x if x.dtype == mx.float32 else x.astype(mx.float32)
-    if N <= MV_MAX_TOKENS and supports(qw) and not (qw.qtype == QT.Q8_0 and q8_mode() == "affine"):
+    if _dense_mv(qw, N):
         return mv(qw, x, backend, shape=(*lead, qw.shape[0]))  # x as it is shaped: no reshape nodes
     x2 = x.reshape(N, n_in)  # explicit shape: a no-op (no graph node) when x is already 2-D
-    if qw.qtype == QT.Q8_0 and q8_mode() == "affine":
+    if _q8_affine(qw):
         wq, s, b = q8_0_affine(qw)
         y = mx.quantized_matmul(x2, wq, s, b, transpose=True, group_size=32, bits=8).astype(mx.float32)
     elif not supports(qw):
@@ -534,8 +544,7 @@ def matmul(qw, x: mx.array, backend: str) -> mx.array:
 def matmul_rms(qw, x: mx.array, norm: mx.array, eps: float, backend: str) -> mx.array:
     """``rms_norm(x, norm, eps) @ W.T`` on the GPU backends: one matvec launch with the norm as its prologue
     for decode-sized x, else MLX's rms_norm then :func:`matmul`."""
-    N = x.size // qw.shape[-1]
-    if 0 < N <= MV_MAX_TOKENS and supports(qw) and not (qw.qtype == QT.Q8_0 and q8_mode() == "affine"):
+    if _dense_mv(qw, x.size // qw.shape[-1]):
         x = x if x.dtype == mx.float32 else x.astype(mx.float32)
         return mv(qw, x, backend, epi=MV_RMS, aux=norm, clamp=eps, shape=(*x.shape[:-1], qw.shape[0]))
     return matmul(qw, mx.fast.rms_norm(x, norm, eps), backend)

@@ -171,7 +171,7 @@ def instantiations() -> list[tuple[str, tuple]]:
     for hd, rows, lanes in ((512, 8, 2), (128, 8, 2), (512, 128, 1), (128, 16, 1), (128, 128, 1)):
         rnd = (("ROUND", 1), ("NOPE", 448), ("F16R", 1)) if hd == 512 else (("ROUND", 2), ("NOPE", 0), ("F16R", 1))
         out += [("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", e)) + r)
-                for e in (0, 1) for r in (rnd, (("ROUND", 0), ("NOPE", 0), ("F16R", 0)))]  # fmt: skip
+                for e in (0, 1) for r in (rnd, _NO_ROUNDING)]  # fmt: skip
     out.append(("comp_write", ()))
     for hd in (512, 128):
         out += [("attn_one", (("HD", hd), ("NSG", ATTN_NSG), ("USE_IDX", u), ("KV16", 1))) for u in (0, 1)]
@@ -439,34 +439,46 @@ def compressor_pool(
     _check_f32("compressor_pool: C", C, (nw, hd))
     _check_f32("compressor_pool: S", S, (nw, hd))
     _check_pool_out("compressor_pool", rounding, out_dtype)
-    rnd = _rounding_template(rounding, hd)
     if b == "fallback" or not _pool_kernel_fits(hd) or nw == 0:
         return _finish_rows(_pool_reference(kv, score, norm, C, S, eps, lanes), rounding, out_dtype)
+    rnd, row_dtype, finish = _pool_rounding(rounding, hd, out_dtype)
     f, i = _dummy(mx.float32), _dummy(mx.int32)
     row = get_fused_kernel("comp_pool", b)(
         inputs=[kv, score, norm, C, S, _f32(float(eps)), f, f, f, i],
-        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 0), *(rnd or _rounding_template(None, hd))],
+        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 0), *rnd],
         grid=(nw * hd, 1, 1),
         threadgroup=(hd, 1, 1),
         output_shapes=[(nw, hd), (1,), (1,)],
-        output_dtypes=[out_dtype if rnd else mx.float32, mx.float32, mx.float32],
+        output_dtypes=[row_dtype, mx.float32, mx.float32],
     )[0]
-    return row if rnd else _finish_rows(row, rounding, out_dtype)
+    return finish(row)
 
 
 def _pool_kernel_fits(hd: int) -> bool:
     return hd % 32 == 0 and hd <= 1024  # one thread per output dim, whole simdgroups
 
 
+_NO_ROUNDING = (("ROUND", 0), ("NOPE", 0), ("F16R", 0))
+
+
 def _rounding_template(rounding: Any, hd: int) -> tuple | None:
     """comp_pool's (ROUND, NOPE, F16R) for a :class:`ds4_mlx.numerics.RowRounding` (``None``: no rounding);
     ``None`` where the kernel cannot apply it (then the caller rounds in MLX)."""
     if rounding is None:
-        return (("ROUND", 0), ("NOPE", 0), ("F16R", 0))
+        return _NO_ROUNDING
     fp8, qat = int(rounding.fp8_dims), bool(rounding.qat)
     if (fp8 and qat) or (fp8 and (fp8 % 64 or fp8 > hd or hd % 64)) or (qat and hd != 128):
         return None
     return (("ROUND", 1 if fp8 else (2 if qat else 0)), ("NOPE", fp8), ("F16R", int(bool(rounding.f16))))
+
+
+def _pool_rounding(rounding: Any, hd: int, out_dtype: mx.Dtype) -> tuple[tuple, mx.Dtype, Any]:
+    """A comp_pool launch's rounding template, its row's type, and what is left to do to the row: nothing
+    where the kernel rounds, else MLX's rounding and cast of the kernel's f32 row."""
+    rnd = _rounding_template(rounding, hd)
+    if rnd is not None:
+        return rnd, out_dtype, lambda row: row
+    return _NO_ROUNDING, mx.float32, lambda row: _finish_rows(row, rounding, out_dtype)
 
 
 def _check_pool_out(kernel: str, rounding: Any, out_dtype: mx.Dtype) -> None:
@@ -505,7 +517,6 @@ def compressor_emit(
         _check_f32(f"compressor_emit: {name}", a, shape)
     _check_at("compressor_emit", at)
     _check_pool_out("compressor_emit", rounding, out_dtype)
-    rnd = _rounding_template(rounding, hd)
     if b == "fallback" or not _pool_kernel_fits(hd):
         kv, score = compressor_write(kv, score, kv_row, score_row, ape, at, backend="fallback")
         row = compressor_pool(kv[None], score[None], norm, C, S, eps, lanes=lanes, rounding=rounding,
@@ -515,15 +526,16 @@ def compressor_emit(
         if lanes == 2:
             return row, mx.concatenate([kv[rows // 2 :], empty_kv]), mx.concatenate([score[rows // 2 :], empty_sc])
         return row, empty_kv, empty_sc
+    rnd, row_dtype, finish = _pool_rounding(rounding, hd, out_dtype)
     row, kv, score = get_fused_kernel("comp_pool", b)(
         inputs=[kv, score, norm, C, S, _f32(float(eps), float(neg)), kv_row, score_row, ape, at],
-        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1), *(rnd or _rounding_template(None, hd))],
+        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1), *rnd],
         grid=(hd, 1, 1),
         threadgroup=(hd, 1, 1),
         output_shapes=[(1, hd), (rows, width), (rows, width)],
-        output_dtypes=[out_dtype if rnd else mx.float32, mx.float32, mx.float32],
+        output_dtypes=[row_dtype, mx.float32, mx.float32],
     )
-    return (row if rnd else _finish_rows(row, rounding, out_dtype)), kv, score
+    return finish(row), kv, score
 
 
 #: Threads per threadgroup of the compressor frontier write.

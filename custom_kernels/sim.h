@@ -90,7 +90,6 @@ struct Block {
   int cur = 0;
   uint3 bid, bdim, gdim;
   std::function<void()> body;
-  const char* error = nullptr;
 };
 inline Block* g = nullptr;
 constexpr size_t kStack = 128 * 1024;
@@ -184,10 +183,9 @@ inline const char* launch(uint3 grid, uint3 block, std::function<void()> body) {
   return nullptr;
 }
 
-inline int linear_tid() { return (int)(&me() - g->fibers.data()); }
 template <class T> inline T shuffle(T v, int src_lane) {
   static_assert(sizeof(T) <= sizeof(uint64_t), "shuffle of a wide type");
-  const int t = linear_tid();
+  const int t = g->cur;  // the running thread's index in the block
   uint64_t s = 0;
   std::memcpy(&s, &v, sizeof(T));
   g->slots[t] = s;
@@ -206,10 +204,10 @@ template <class T> inline T shuffle(T v, int src_lane) {
 inline void __syncthreads() { ds_sim::wait(ds_sim::AT_SYNCTHREADS); }
 inline void __syncwarp(unsigned = 0xffffffffu) { ds_sim::wait(ds_sim::AT_SYNCWARP); }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int m, int = 32) {
-  return ds_sim::shuffle(v, (ds_sim::linear_tid() & 31) ^ m);
+  return ds_sim::shuffle(v, (ds_sim::g->cur & 31) ^ m);
 }
 template <class T> inline T __shfl_down_sync(unsigned, T v, unsigned d, int = 32) {
-  const int lane = ds_sim::linear_tid() & 31;
+  const int lane = ds_sim::g->cur & 31;
   return ds_sim::shuffle(v, lane + (int)d < 32 ? lane + (int)d : lane);
 }
 template <class T> inline T __shfl_sync(unsigned, T v, int src, int = 32) { return ds_sim::shuffle(v, src); }

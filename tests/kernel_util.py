@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -14,8 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from ds4_mlx import quants
-from ds4_mlx import weights
+from ds4_mlx import quants, weights
 from ds4_mlx.weights import QuantWeight
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,8 +36,14 @@ def kernel_test_backend() -> str:
     return b
 
 
-#: On the ``sim`` backend only shapes that run in seconds (a launch runs its threads one after another).
-SIM = kernel_test_backend() == "sim"
+@contextlib.contextmanager
+def kernel_backend_set(name: str):
+    """Every kernel call inside uses backend ``name`` (the public entry points too); automatic after."""
+    weights.set_kernel_backend(name)
+    try:
+        yield
+    finally:
+        weights.set_kernel_backend(None)
 
 
 def make_weight(rng, qt: QT, shape, ref_dtype=np.float64) -> tuple[QuantWeight, np.ndarray]:

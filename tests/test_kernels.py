@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx import quants, weights
 from ds4_mlx.weights import QuantWeight, _kernels
-from kernel_util import kernel_test_backend, make_weight
+from kernel_util import kernel_backend_set, kernel_test_backend, make_weight
 
 kernels = _kernels()
 
@@ -156,11 +156,8 @@ def test_mv_rms_prologue(qt, N, config):
     assert y.shape == (N, 75) and not np.isnan(y).any()
     xn = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * nw
     assert rel_err(y, xn, ref, "ni,oi->no") <= F32_TOL
-    weights.set_kernel_backend(BACKEND)  # the public entry point takes the same launch
-    try:
+    with kernel_backend_set(BACKEND):  # the public entry point takes the same launch
         y2 = np.array(w.matmul_rms(mx.array(x), mx.array(nw), 1e-6))
-    finally:
-        weights.set_kernel_backend(None)
     if config is None:
         np.testing.assert_array_equal(y2, y)
 
@@ -232,11 +229,8 @@ def test_gather(qt, case, per_slot):
     if emu:
         assert rel_err(y, bf16(xs), bf16(ref)[ids], "nki,nkoi->nko") <= BF16_EMU_TOL
     # pair-major order and the public entry point agree
-    weights.set_kernel_backend("sim" if BACKEND == "sim" else None)
-    try:
+    with kernel_backend_set(BACKEND):
         y2 = np.array(w.gather_matmul(mx.array(x), mx.array(ids)))
-    finally:
-        weights.set_kernel_backend(None)
     np.testing.assert_array_equal(y2, y)
 
 
@@ -248,15 +242,14 @@ def test_quantweight_matmul_dispatch(qt, N):
     rng = np.random.default_rng(int(qt) + 5 * N)
     w, ref = make_weight(rng, qt, (130, n_in_for(qt)), np.float32)
     x = rng.standard_normal((N, w.shape[1])).astype(np.float32)
-    weights.set_kernel_backend("sim" if BACKEND == "sim" else None)
-    y = np.array(w.matmul(mx.array(x)))
+    with kernel_backend_set(BACKEND):
+        y = np.array(w.matmul(mx.array(x)))
     tol = F32_TOL if N <= kernels.MV_MAX_TOKENS else BF16_TOL
     if qt == QT.Q8_0 and kernels.q8_mode() == "affine":
         tol = 1e-5
     assert rel_err(y, x, ref, "ni,oi->no") <= tol
-    weights.set_kernel_backend("fallback")
-    yf = np.array(w.matmul(mx.array(x)))
-    weights.set_kernel_backend(None)
+    with kernel_backend_set("fallback"):
+        yf = np.array(w.matmul(mx.array(x)))
     fallback_tol = 1e-3 if mx.cuda.is_available() else F32_TOL  # MLX-CUDA f32 GEMM uses TF32 (see test_weights)
     assert rel_err(yf, x, ref, "ni,oi->no") <= fallback_tol
 
