@@ -47,8 +47,13 @@ from . import (
     render_source, supports,
 )
 
-#: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E).
+#: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E), and of
+#: its decode launch on hc_mix's partials (one threadgroup for the token: more simdgroups sum the partials).
 HC_PRE_THREADS = 256
+HC_PRE_SPLIT_THREADS = 512
+#: Elements of x a HC pre thread keeps in registers (hc_pre.body's XK): the kernel takes E <= 16 * 256 = 4096
+#: (the full shape's width); wider states take the MLX path.
+HC_PRE_XK = 16
 #: Tokens per HC pre threadgroup: 1 for decode-sized T, more in prefill so each fn read serves several tokens.
 #: H200, E=4096, T=512: TPB 1 / 2 / 4 took 166 / 156 / 268 µs (TPB=4 needs 128 registers a thread).
 HC_PRE_TPB_CHOICES = (1, 2, 4)
@@ -316,7 +321,7 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tupl
     if norm is not None:
         _check_f32("hc_pre: norm", norm, (E,))
     fnw = _fn_pairs(fn)
-    if b == "fallback" or fnw is None or n_hc not in (1, 2, 4) or T == 0:
+    if b == "fallback" or fnw is None or n_hc not in (1, 2, 4) or T == 0 or E > HC_PRE_XK * HC_PRE_THREADS:
         if post_of is not None:
             S = hyper.hc_post(S, *post_of)
         x, post, comb = hyper.hc_pre(S, fn, scale, base, cfg)
@@ -342,13 +347,14 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tupl
         )
         if post_of is not None:
             S = S_new
+    threads = HC_PRE_SPLIT_THREADS if split else HC_PRE_THREADS
     x, post, comb = get_fused_kernel("hc_pre", b)(
         inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G), part,
                 unused if norm is None else norm],  # fmt: skip
         template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split)),
                   ("NORM", int(norm is not None))],  # fmt: skip
-        grid=(-(-T // tpb) * HC_PRE_THREADS, 1, 1),
-        threadgroup=(HC_PRE_THREADS, 1, 1),
+        grid=(-(-T // tpb) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(T, E), (T, n_hc), (T, n_hc, n_hc)],
         output_dtypes=[mx.float32] * 3,
     )

@@ -102,7 +102,8 @@ def test_decode_step_launch_budget():
     node): 43 layers at ctx 600 had 868 before the launch wrappers passed arrays as they are shaped and the
     cached weight views were materialized, 332 after (8.8 a layer here). 24.8 launches a layer with the q_a
     norm as the q_b matvec's prologue. A step that completes the ratio-4 windows (ctx 67) had ~33 before their
-    rows' FP8/QAT/f16 rounding moved into the emit launch, 26.2 after.
+    rows' FP8/QAT/f16 rounding moved into the emit launch, 26.2 after. 24.0 (25.3 completing) with each
+    layer's last HC post inside the next layer's first mix.
     """
     import importlib.util
     from pathlib import Path
@@ -113,10 +114,10 @@ def test_decode_step_launch_budget():
     spec.loader.exec_module(gc)
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
     assert res["compiled"] and res["kernel_launches"] >= 6 * 18  # the custom kernels were on the path
-    assert res["launches_per_layer"] <= 25, res
+    assert res["launches_per_layer"] <= 24.5, res
     assert res["view_ops"] <= 10 * 6, res
     res = gc.main(["--layers", "6", "--ctx", "67", "--reps", "2"])  # this step completes the ratio-4 windows
-    assert res["launches_per_layer"] <= 27, res
+    assert res["launches_per_layer"] <= 26, res
     assert res["view_ops"] <= 11 * 6, res
 
 

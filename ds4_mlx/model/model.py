@@ -42,24 +42,33 @@ class Block:
     def __call__(self, S: mx.array, tokens: mx.array, pos: int, cache: LayerCache) -> mx.array:
         """State ``S [T, n_hc, E]`` of tokens at ``pos..pos+T-1`` -> the layer's output state (same shape)."""
         if S.shape[0] == 1:
-            return self.decode(S, tokens, pos, cache)
+            return hc_post(*self.decode((S,), tokens, pos, cache))
         n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)  # normed input [T, E]
         S, n, post, comb = hc_post_pre(S, self.attn.forward(n, pos, cache), post, comb, *self.hc_ffn, self.cfg,
                                        norm=self.ffn.ffn_norm)  # fmt: skip
         return hc_post(S, self.ffn.forward(n, tokens), post, comb)
 
-    def decode(self, S: mx.array, tokens: mx.array, pos: int, cache: LayerCache) -> mx.array:
-        """One token: the layer as one (compiled) function of the state and the cache arrays."""
-        key, io = self.attn.decode_inputs(pos, cache)
-        S, st = self._step_fn(key)(S, tokens, cache.decode_state(), io)
-        cache.take_decode_state(st, key)
-        return S
+    def decode(self, carry: tuple, tokens: mx.array, pos: int, cache: LayerCache) -> tuple:
+        """One token: the layer as one (compiled) function of the state and the cache arrays.
 
-    def _step(self, key: DecodeKey, S: mx.array, tokens: mx.array, st: dict, io: dict) -> tuple[mx.array, dict]:
-        n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
+        ``carry`` is ``(S,)`` or the previous layer's ``(S, y, post, comb)`` with its last HC post still to
+        apply; the result is this layer's. The post runs inside the next HC mix launch (one launch a layer
+        less), and after the last layer in :meth:`Model.decode_head`.
+        """
+        key, io = self.attn.decode_inputs(pos, cache)
+        carry, st = self._step_fn(key)(carry, tokens, cache.decode_state(), io)
+        cache.take_decode_state(st, key)
+        return carry
+
+    def _step(self, key: DecodeKey, carry: tuple, tokens: mx.array, st: dict, io: dict) -> tuple[tuple, dict]:
+        if len(carry) == 1:
+            S = carry[0]
+            n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
+        else:
+            S, n, post, comb = hc_post_pre(*carry, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
         y, st = self.attn.decode(n, st, io, key)
         S, n, post, comb = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm)
-        return hc_post(S, self.ffn.forward(n, tokens), post, comb), st
+        return (S, self.ffn.forward(n, tokens), post, comb), st
 
     def _step_fn(self, key: DecodeKey) -> Callable:
         """The step for ``key``, compiled once the raw window is full (before that its shapes change every
@@ -100,7 +109,7 @@ class Model:
         for layer in self.layers:
             layer.compile_decode = on
             layer._steps.clear()
-        self._decode_head = mx.compile(self.head) if on else self.head
+        self._decode_head = mx.compile(self.decode_head) if on else self.decode_head
 
     def make_cache(self, reserve: int = 0) -> list[LayerCache]:
         """Fresh per-layer KV state (raw window, compressed rows, compressor/indexer frontiers); the
@@ -118,6 +127,10 @@ class Model:
         x = mx.fast.rms_norm(x, self.output_norm, self.cfg.rms_eps)
         return self.output.matmul(x)  # [T, V]
 
+    def decode_head(self, *carry: mx.array) -> mx.array:
+        """The last layer's decode ``carry`` (see :meth:`Block.decode`) -> logits ``[1, V]``."""
+        return self.head(hc_post(*carry) if len(carry) == 4 else carry[0])
+
     def __call__(
         self,
         tokens: mx.array | Sequence[int],
@@ -133,10 +146,14 @@ class Model:
         """
         tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
         S = self.embed(tokens)
+        if tokens.shape[0] == 1:
+            carry = (S,)
+            for layer, cache in zip(self.layers, caches, strict=True):
+                carry = layer.decode(carry, tokens, pos, cache)
+            logits = self._decode_head(*carry)
+            return logits if all_logits else logits[0]
         for layer, cache in zip(self.layers, caches, strict=True):
             S = layer(S, tokens, pos, cache)
             if tokens.shape[0] >= self.eval_layers_from:
                 mx.eval(S)
-        if all_logits:
-            return self.head(S)
-        return (self._decode_head(S) if S.shape[0] == 1 else self.head(S[-1:]))[0]
+        return self.head(S) if all_logits else self.head(S[-1:])[0]
