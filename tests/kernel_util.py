@@ -36,6 +36,13 @@ def kernel_test_backend() -> str:
     return b
 
 
+#: The kernel tests' backend, and their marks: a test that needs some kernel backend (GPU or sim), and one too
+#: large for the sim backend (it runs threads one by one).
+BACKEND = kernel_test_backend()
+needs_gpu = pytest.mark.skipif(BACKEND == "fallback", reason="no Metal/CUDA backend and no C++ compiler for sim")
+gpu_only = pytest.mark.skipif(BACKEND == "sim", reason="too large for the sim backend (it runs threads one by one)")
+
+
 @contextlib.contextmanager
 def kernel_backend_set(name: str):
     """Every kernel call inside uses backend ``name`` (the public entry points too); automatic after."""

@@ -4,7 +4,7 @@ attention, Q/KV rows, indexer query, indexer top-k and MoE router.
 CPU (CI): the Metal instantiation of each body type-checks as MLX renders it (g++ + metal_shim.h), the CUDA
 instantiation compiles with nvcc, the wrapper's fallback equals the pure-MLX graph code (and a float64 numpy
 reference of the compressor window), shape/dtype validation raises.
-GPU (skipped unless the backend is metal or cuda): each kernel against its fallback, computed on the CPU
+GPU, or the sim backend without one (skipped if neither): each kernel against its fallback, computed on the CPU
 device, on random inputs at the tiny and the real V4 shapes.
 """
 
@@ -23,16 +23,12 @@ from ds4_mlx.model.compressor import NEG, Compressor
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.numerics import RowRounding
 from ds4_mlx.kernels import fused
-from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend
-from kernel_util import gxx_metal_check, kernel_test_backend, nvcc_compile, render_metal_sources
+from ds4_mlx.weights import QuantWeight, _kernels
+from kernel_util import BACKEND, gpu_only, gxx_metal_check, needs_gpu, nvcc_compile, render_metal_sources
 
 kernels = _kernels()
 
 ROOT = Path(__file__).resolve().parent.parent
-BACKEND = kernel_test_backend()
-GPU = BACKEND in ("metal", "cuda", "sim")
-needs_gpu = pytest.mark.skipif(not GPU, reason="no Metal/CUDA backend and no C++ compiler for the sim backend")
-gpu_only = pytest.mark.skipif(BACKEND == "sim", reason="too large for the sim backend (it runs threads one by one)")
 
 
 class HCfg:

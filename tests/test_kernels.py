@@ -10,20 +10,15 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from ds4_mlx import quants, weights
+from ds4_mlx import quants
 from ds4_mlx.weights import QuantWeight, _kernels
-from kernel_util import kernel_backend_set, kernel_test_backend, make_weight
+from kernel_util import BACKEND, gpu_only, kernel_backend_set, make_weight, needs_gpu
 
 kernels = _kernels()
 
 F32_TOL = 1e-6  # decode kernels: exact weights, f32 activations and accumulation
 BF16_TOL = 4e-3  # prefill: bf16 weights and activations (each rounding ≤ 2^-9), f32 accumulation
 BF16_EMU_TOL = 2e-5  # prefill vs a float64 product of the same bf16-rounded operands: only f32 accumulation
-
-
-BACKEND = kernel_test_backend()
-needs_gpu = pytest.mark.skipif(BACKEND == "fallback", reason="no Metal/CUDA backend and no C++ compiler for sim")
-gpu_only = pytest.mark.skipif(BACKEND == "sim", reason="too large for the sim backend (it runs threads one by one)")
 
 
 def bf16(a: np.ndarray) -> np.ndarray:
