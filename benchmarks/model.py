@@ -97,11 +97,14 @@ def component_times(model: Model, sess: Session, reps: int) -> dict[str, float]:
             [("attention", attention), ("moe", moe), ("hc", hc), ("output head", head)]}
 
 
-def decode_seconds(sess: Session, n: int, pipelined: bool) -> tuple[float, dict[str, float]]:
+def decode_seconds(sess: Session, n: int, pipelined: bool, lag: int = 1) -> tuple[float, dict[str, float]]:
     """Mean seconds per token of ``n`` greedy decode steps, and the host's ms per token in each part.
 
     Pipelined (mlx-lm style): the next step's graph is built while the device runs this one and the token
-    ids are read back one step late, as a streaming generator would. Otherwise each step waits for its token.
+    ids are read back ``lag`` steps late, as a streaming generator would (mlx-lm: 1). Otherwise each step waits
+    for its token. With ``lag=1`` the host, done encoding step k+1, waits for token k while the device still runs
+    it, and then leaves the device to drain step k+1 while it builds step k+2; ``lag=2`` keeps a step queued
+    through that build (on the H200 it removed the ~2.5 ms wait: benchmarks/RESULTS.md, twelfth session).
     The parts (meaningful when pipelined): ``build`` (Python and the compiled steps' trace replay), ``encode``
     (inside ``mx.async_eval``, where MLX turns every op into launches) and ``wait`` (for the previous token).
     A wait near zero means the device idles on the host, not the other way round.
@@ -118,16 +121,16 @@ def decode_seconds(sess: Session, n: int, pipelined: bool) -> tuple[float, dict[
     try:
         lazy = mx.argmax(sess.logits)
         t0 = time.perf_counter()
+        toks = [lazy]  # lazy token ids; toks[-1] feeds the next step
         for _ in range(n):
             t = time.perf_counter()
-            nxt = mx.argmax(sess.step(lazy if pipelined else int(lazy.item())))
+            toks.append(mx.argmax(sess.step(toks[-1] if pipelined else int(toks[-1].item()))))
             spent["build"] += time.perf_counter() - t
-            if pipelined:
+            if pipelined and len(toks) > lag:
                 t = time.perf_counter()
-                lazy.item()
+                toks[-1 - lag].item()
                 spent["wait"] += time.perf_counter() - t
-            lazy = nxt
-        lazy.item()
+        toks[-1].item()
         total = time.perf_counter() - t0
     finally:
         mx.async_eval = async_eval
@@ -208,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_decode_sync, _ = decode_seconds(sess, n_decode, pipelined=False)
     t_decode, split = decode_seconds(sess, n_decode, pipelined=True)
     ctx = sess.pos
+    t_decode2, split2 = decode_seconds(sess, n_decode, pipelined=True, lag=2)  # from ctx on
     assert bool(mx.all(mx.isfinite(sess.logits)).item()), "non-finite logits"
     t_decode_ops = t_build = None
     if not args.quick:
@@ -227,10 +231,12 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": args.shape, "experts": args.experts, "device": str(mx.default_device()),
         "kernels": kernel_backend(), "prefill_tokens": n_prefill, "chunk": args.chunk,
         "prefill_tok_s": n_prefill / t_prefill, "decode_ms": t_decode * 1e3, "decode_sync_ms": t_decode_sync * 1e3,
+        "decode_lag2_ms": t_decode2 * 1e3, "decode_lag2_host_split_ms": split2,
         "decode_uncompiled_ms": t_decode_ops and t_decode_ops * 1e3, "decode_ctx": ctx,
         "decode_graph_build_ms": t_build and t_build * 1e3, "decode_host_split_ms": split,
         "copy_bw_GBs": bw / 1e9, "bytes_per_token": total_bytes, "floor_ms": floor * 1e3,
-        "floor_ratio": floor / t_decode, "components_ms": {k: v * 1e3 for k, v in comps.items()},
+        "floor_ratio": floor / t_decode, "floor_ratio_lag2": floor / t_decode2,
+        "components_ms": {k: v * 1e3 for k, v in comps.items()},
         "components_floor_ms": {k: sum(floor_bytes.get(c, 0) for c in cs) / bw * 1e3 for k, cs in FLOOR_GROUPS.items()},
         "kv_bytes": sess.kv_bytes, "peak_memory_GB": mx.get_peak_memory() / 1e9,
     }
@@ -243,6 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"         building one step's graph (compiled steps: replaying their traces) takes "
               f"{res['decode_graph_build_ms']:.2f} ms")
     print("         pipelined step on the host: " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items()))
+    print(f"         tokens read back 2 steps late: {res['decode_lag2_ms']:.2f} ms/token "
+          f"({100 * res['floor_ratio_lag2']:.1f}% of the floor); host: "
+          + ", ".join(f"{k} {v:.2f} ms" for k, v in split2.items()))
     print(f"floor:   {total_bytes / 1e9:.3f} GB/token / {bw / 1e9:.0f} GB/s copy bandwidth = {res['floor_ms']:.2f} ms"
           f"  -> decode at {100 * res['floor_ratio']:.1f}% of the floor")
     if comps:

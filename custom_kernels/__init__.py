@@ -63,9 +63,13 @@ MV_PLAIN, MV_SWIGLU, MV_SUM, MV_RMS = 0, 1, 2, 3
 MV_EPILOGUES = (MV_PLAIN, MV_SWIGLU, MV_SUM, MV_RMS)
 #: Types the SwiGLU epilogue takes (F32 rows of two weights would not fit CUDA's 48 KB of static shared memory).
 MV_SWIGLU_TYPES = tuple(t for t in KERNEL_TYPES if t != QT.F32)
+#: The shared expert's pair inside the routed experts' launches (mv.body ``SH``): its weight type (ds4's
+#: GGUFs: Q8_0), and the routed types the compile checks pair it with (every launch type works).
+MV_SHARED_TYPE = QT.Q8_0
+MV_SHARED_ROUTED = (QT.IQ2_XXS, QT.Q2_K, QT.Q4_K)
 
 INPUTS = {
-    "mv": ["w", "x", "ids", "params", "w2", "aux"],
+    "mv": ["w", "x", "ids", "params", "w2", "aux", "ws"],
     "mm": ["w", "x", "ids", "tiles", "params"],
 }
 
@@ -231,7 +235,8 @@ class Instantiation:
 
     @property
     def iq2_grid(self) -> bool:
-        return dict(self.template)["QT"] == QT.IQ2_XXS
+        t = dict(self.template)
+        return QT.IQ2_XXS in (t["QT"], t.get("SQT"))
 
 
 def mv_config(qtype: QT, n_out: int, n_pairs: int, epi: int = MV_PLAIN) -> tuple[int, int, int]:
@@ -244,8 +249,12 @@ def mv_config(qtype: QT, n_out: int, n_pairs: int, epi: int = MV_PLAIN) -> tuple
     return nr, nsg, (nsg if groups < MV_KSPLIT_BELOW else 1)
 
 
-def mv_template(qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN) -> tuple:
-    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks), ("EPI", epi))
+def mv_template(
+    qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN, shared: QT | None = None
+) -> tuple:
+    """``shared``: the type of the shared expert's weight read by the same launch (mv.body ``SH``)."""
+    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks), ("EPI", epi),
+            ("SH", shared is not None), ("SQT", int(qtype if shared is None else shared)))
 
 
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
@@ -265,13 +274,15 @@ def instantiations() -> list[Instantiation]:
                 nr = mv_config(qt, 1, 1, epi)[0]
                 for ks in (1, nsg):
                     out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi)))
+                    if gather and epi in (MV_SWIGLU, MV_SUM) and qt in MV_SHARED_ROUTED:  # MoE + shared expert
+                        out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, MV_SHARED_TYPE)))
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
     return out
 
 
 _CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_t", "params": "int32_t",
-                "w2": "uint8_t", "aux": "float"}
+                "w2": "uint8_t", "aux": "float", "ws": "uint8_t"}
 
 
 def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
@@ -346,7 +357,7 @@ def supports(qw) -> bool:
 def mv(
     qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
-    clamp: float = 0.0, shape: tuple[int, ...] | None = None,
+    clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
@@ -358,8 +369,18 @@ def mv(
     ``MV_SUM`` (gathered) returns ``[P/k, out]``, each token's k products summed, plus ``aux`` if given;
     ``MV_RMS`` (dense) returns ``W @ rms_norm(x, aux, clamp)``: ``aux [in]`` is the norm weight, ``clamp`` eps.
     ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG).
+
+    ``shared`` (gathered ``MV_SWIGLU`` / ``MV_SUM``): the shared expert in the same launch, T = P/k tokens.
+    SwiGLU: ``shared`` holds its gate rows then its up rows (``[2·out, in]``) and the result is ``[P + T, out]``,
+    the T shared rows last (no route weight). Sum: ``x2`` is that ``[P + T, in]``, ``shared`` the down weight
+    ``[out, in]``, and each token's shared product joins its sum.
     """
     gather = ids is not None
+    if shared is not None:
+        rows = qw.shape[-2] * (2 if epi == MV_SWIGLU else 1)
+        if (not gather or epi not in (MV_SWIGLU, MV_SUM) or shared.shape != (rows, qw.shape[-1])
+                or shared.qtype not in MV_SWIGLU_TYPES):  # fmt: skip
+            raise ValueError(f"mv: a shared expert {shared!r} does not fit this launch of {qw!r}")
     if epi == MV_SWIGLU and (
         w2 is None or (w2.shape, w2.qtype) != (qw.shape, qw.qtype) or qw.qtype not in MV_SWIGLU_TYPES
     ):
@@ -368,17 +389,21 @@ def mv(
         raise ValueError(f"mv: the RMSNorm epilogue is dense and needs the norm weight as float32 aux [{qw.shape[-1]}]")
     n_x = x2.size // qw.shape[-1]  # rows of x
     P = ids.size if gather else n_x
+    if shared is not None and epi == MV_SUM:
+        n_x -= P // k_slots  # the shared rows after the routed ones
+    sh = None if shared is None else shared.qtype
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
-    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp)
+    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, sh)
     plan = qw._cache.get(("mv",) + key)
     if plan is None:
         plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
     wb, params, template, grid, threadgroup, out_shape = plan
-    return get_kernel("mv", backend, qw.qtype == QT.IQ2_XXS)(
+    return get_kernel("mv", backend, QT.IQ2_XXS in (qw.qtype, sh))(
         inputs=[
             wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params,
             _dummy(mx.uint8) if w2 is None else weight_bytes(w2),
             _dummy(mx.float32) if aux is None else _pad8(aux, backend),
+            _dummy(mx.uint8) if shared is None else weight_bytes(shared),
         ],
         template=template,
         grid=grid,
@@ -391,7 +416,7 @@ def mv(
 
 def _mv_plan(
     qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: bool = False,
-    clamp: float = 0.0,
+    clamp: float = 0.0, shared: QT | None = None,
 ) -> tuple:  # fmt: skip
     """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
@@ -405,8 +430,8 @@ def _mv_plan(
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux))
     groups = -(-n_out // (nr * nsg // ks))
-    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi))
-    rows = P // k_slots if epi == MV_SUM else P
+    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared))
+    rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared is not None else 0)
     return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 

@@ -909,3 +909,25 @@ def expert_down_sum(
         return y if add is None else y + add
     x2 = mid if mid.dtype == mx.float32 else mid.astype(mx.float32)  # [T, k, F]: mv reads it flat
     return mv(down, x2, b, ids=ids, k_slots=ids.shape[1], epi=MV_SUM, aux=add)
+
+
+def experts_with_shared(
+    gate: Any, up: Any, down: Any, shared_gate_up: Any, shared_down: Any, x: mx.array, ids: mx.array,
+    route_w: mx.array, clamp: float, *, backend: str | None = None,
+) -> mx.array | None:  # fmt: skip
+    """The whole expert part of the MoE (MODEL.md §4.8) in two matvec launches for decode-sized T on the GPU:
+    ``sum_j down[ids_j] (route_w_j · swiglu(gate[ids_j] x, up[ids_j] x)) + shared_down · swiglu(shared x)``
+    ``[T, E]``, the shared expert read by the routed launches (mv ``shared``) instead of two launches of its
+    own. ``shared_gate_up`` is its gate rows then its up rows. None where the kernels do not apply (the caller
+    runs :func:`expert_swiglu` and :func:`expert_down_sum` then)."""
+    b, T = _pick(backend), x.shape[0]
+    F, E = gate.shape[-2:]
+    if not (_mv_ok(b, T, gate, down, shared_gate_up, shared_down) and gate.qtype == up.qtype
+            and gate.qtype in MV_SWIGLU_TYPES and shared_gate_up.shape == (2 * F, E)
+            and shared_down.shape == (E, F) and shared_down.qtype == shared_gate_up.qtype):  # fmt: skip
+        return None
+    x2 = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    k = ids.shape[1]
+    mid = mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
+             shared=shared_gate_up)  # [T·k + T, F]: the routed rows, then the shared ones
+    return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down)

@@ -109,3 +109,70 @@ DS_FN float ds_dot32(int qt, const DS_TG uint8_t* row, uint32_t u, const DS_THR 
   }
 }
 
+
+// The span loop of one pair of mv.body, for weights of type QX: rows at wa + off (and, NW == 2, the second
+// weight's at wb + off_b), rb bytes apart, staged SPAN bytes apart; acc[NR·NW] gathers each row's dot with
+// x = xr (EPI 3: x·nw, its Σx² into ssq). A function of the type, so one launch can read two types (the
+// routed experts and the shared expert, mv.body SH).
+template <int QX, int NR, int NW, int KS, int EPI, int SPAN>
+DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint64_t off,
+                       uint64_t off_b, uint32_t rb, uint32_t nrows, uint32_t n_units, uint32_t kpart, uint32_t lane,
+                       const DS_DEV float* xr, const DS_DEV float* nw, DS_THR float* acc, DS_THR float& ssq,
+                       const DS_TG uint32_t* grid) {
+  constexpr int NRW = NR * NW;
+// Copy span u (units u .. u+31, fewer at the end of K) of the rows of each weight into stage buffer b.
+#define DS_MV_STAGE(u, b)                                                                                        \
+  {                                                                                                              \
+    const uint32_t nb_ = ds_span_bytes(QX, n_units - (u) < 32u ? n_units - (u) : 32u);                          \
+    ds_stage_span(stage + (b) * NRW * SPAN, SPAN, wa, off + ds_span_bytes(QX, (u)), rb, nrows, nb_, lane);       \
+    if (NW == 2)                                                                                                 \
+      ds_stage_span(stage + ((b) * NRW + NR) * SPAN, SPAN, wb, off_b + ds_span_bytes(QX, (u)), rb, nrows, nb_, lane); \
+  }
+  uint32_t u0 = 32 * kpart, buf = 0;
+  if (u0 < n_units) DS_MV_STAGE(u0, 0u);
+  DS_ASYNC_COMMIT();
+  for (; u0 < n_units; u0 += 32 * KS) {
+    const uint32_t nu = n_units - u0 < 32u ? n_units - u0 : 32u;
+    const uint32_t un = u0 + 32 * KS;  // this simdgroup's next span
+    float xv[32];
+    if (lane < nu) {  // issued before the wait: in flight with the staged copy
+      const DS_DEV float4* xp = (const DS_DEV float4*)(xr + 32 * (u0 + lane));
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float4 t = xp[i];
+        if (EPI == 3) {  // x^2 summed, x scaled by the norm weight (16-byte loads); 1/rms scales the row sums
+          const float4 n = ((const DS_DEV float4*)(nw + 32 * (u0 + lane)))[i];
+          ssq = DS_FMA(t.w, t.w, DS_FMA(t.z, t.z, DS_FMA(t.y, t.y, DS_FMA(t.x, t.x, ssq))));
+          t.x *= n.x; t.y *= n.y; t.z *= n.z; t.w *= n.w;
+        }
+        xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
+      }
+    }
+    if (DS_ASYNC_COPIES && un < n_units) DS_MV_STAGE(un, buf ^ 1u);  // into the other buffer, during this span
+    DS_ASYNC_COMMIT();
+    DS_ASYNC_WAIT_PREV();  // this span's copy has landed (the next one may still be in flight)
+    DS_SIMD_BARRIER_TG();
+    if (lane < nu) {
+      const DS_TG uint8_t* cur = stage + buf * NRW * SPAN;
+      float xs[2] = {0.0f, 0.0f};
+      if (QX == DS_Q2_K || QX == DS_Q4_K) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) { xs[0] += xv[i]; xs[1] += xv[16 + i]; }
+      }
+#pragma unroll
+      for (int r = 0; r < NRW; ++r) {
+        if ((uint32_t)(r % NR) < nrows) acc[r] += ds_dot32(QX, cur + r * SPAN, lane, xv, xs, grid);
+      }
+    }
+    DS_SIMD_BARRIER_TG();  // before this buffer is refilled
+    if (DS_ASYNC_COPIES) {
+      buf ^= 1u;
+    } else if (un < n_units) {
+      DS_MV_STAGE(un, 0u);  // synchronous copies: refill the one buffer after computing
+      DS_SIMD_BARRIER_TG();
+    }
+  }
+#undef DS_MV_STAGE
+  DS_ASYNC_WAIT_ALL();
+  DS_SIMD_BARRIER_TG();  // the next pair's first copy reuses buffer 0
+}

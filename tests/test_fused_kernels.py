@@ -1020,3 +1020,44 @@ def test_expert_down_sum_kernel(qt, E, F, D, T, k, with_add):
     assert y.shape == (T, D)
     close(y, ref, 1e-5)
     close(fused.expert_down_sum(down, mid, ids, add, backend=BACKEND), ref, 1e-5)
+
+
+SHARED_CASES = [  # routed type, E, F, n_embd, T, k (the shared expert is Q8_0, as in ds4's GGUFs)
+    (QT.IQ2_XXS, 16, 256, 256, 1, 6), (QT.Q2_K, 16, 256, 512, 2, 4), (QT.Q4_K, 8, 256, 256, 1, 6),
+    pytest.param(QT.IQ2_XXS, 32, 2048, 4096, 1, 6, marks=gpu_only),
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt,E,F,D,T,k", SHARED_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_experts_with_shared_kernel(qt, E, F, D, T, k):
+    """Routed experts and the shared expert in two launches (mv ``shared``) against the MoE's separate pieces
+    on the CPU: the SwiGLU launch's shared rows, and the summed output."""
+    from ds4_mlx.model.moe import swiglu
+
+    rng = np.random.default_rng(F + D + T + int(qt))
+    gate, up = expert_weights(qt, (E, F, D), 2, seed=int(qt) + 3)
+    (down,) = expert_weights(qt if qt != QT.IQ2_XXS else QT.Q2_K, (E, D, F), 1, seed=int(qt) + 4)
+    sg, su = expert_weights(QT.Q8_0, (F, D), 2, seed=int(qt) + 5)
+    (sd,) = expert_weights(QT.Q8_0, (D, F), 1, seed=int(qt) + 6)
+    sgu = QuantWeight.stack_rows([sg, su])
+    x = mx.array(rng.standard_normal((T, D)).astype(np.float32) * 0.05)
+    ids = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+    rw = mx.array(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
+    clamp = 0.02
+
+    mid = kernels.mv(gate, x, BACKEND, ids=ids, k_slots=k, epi=kernels.MV_SWIGLU, w2=up, aux=rw, clamp=clamp,
+                     shared=sgu, init=float("nan"))  # fmt: skip
+    assert mid.shape == (T * k + T, F)
+    g, u = on_cpu(lambda: (gate.gather_matmul(x, ids), up.gather_matmul(x, ids)))
+    swiglu_close(mid[: T * k].reshape(T, k, F), g, u, clamp, rw)
+    swiglu_close(mid[T * k :], *on_cpu(lambda: (sg.matmul(x), su.matmul(x))), clamp, None)
+
+    y = fused.experts_with_shared(gate, up, down, sgu, sd, x, ids, rw, clamp, backend=BACKEND)
+    shared = on_cpu(lambda: sd.matmul(swiglu(sg.matmul(x), su.matmul(x), clamp)))
+    ref = on_cpu(fused.expert_down_sum, down, swiglu(g, u, clamp) * rw[..., None], ids, shared, backend="fallback")
+    assert y.shape == (T, D)
+    close(y, ref, 1e-5)
+    assert fused.experts_with_shared(gate, up, down, sgu, sd, x, ids, rw, clamp, backend="fallback") is None
+    with pytest.raises(ValueError, match="shared expert"):  # the up rows missing
+        kernels.mv(gate, x, BACKEND, ids=ids, k_slots=k, epi=kernels.MV_SWIGLU, w2=up, aux=rw, shared=sg)

@@ -29,7 +29,7 @@ k = _kernels()
 def arrays(kind):
     common = dict(w=mx.zeros((64,), dtype=mx.uint8), x=mx.zeros((64,)), ids=mx.zeros((8,), dtype=mx.int32),
                   tiles=mx.zeros((8,), dtype=mx.int32), params=mx.zeros((8,), dtype=mx.int32),
-                  w2=mx.zeros((64,), dtype=mx.uint8), aux=mx.zeros((8,)))
+                  w2=mx.zeros((64,), dtype=mx.uint8), aux=mx.zeros((8,)), ws=mx.zeros((64,), dtype=mx.uint8))
     return [common[n] for n in k.INPUTS[kind]]
 d = tempfile.mkdtemp()
 for i, inst in enumerate(k.instantiations()):
@@ -79,7 +79,7 @@ def test_instantiation_matrix_covers_every_type_and_kind():
         for g in (0, 1):
             nr, nsg = kernels.MV_CONFIG[qt]
             for ks in (1, nsg):  # both launch shapes the dispatcher picks (kernels.mv_config)
-                assert f"mv_QT{int(qt)}_NR{nr}_NSG{nsg}_GATHER{g}_KS{ks}_EPI0" in tags
+                assert f"mv_QT{int(qt)}_NR{nr}_NSG{nsg}_GATHER{g}_KS{ks}_EPI0_SH0_SQT{int(qt)}" in tags
             for bn in kernels.MM_BN_CHOICES:
                 assert f"mm_QT{int(qt)}_BN{bn}_GATHER{g}" in tags
 
@@ -186,7 +186,7 @@ def test_kernel_sources_stay_small():
     budget: the IQ2 grid only where IQ2_XXS weights are read, block decoding only in the quant kernels."""
     for inst in kernels.instantiations():
         size = len(kernels.render_header(inst.kind, "metal", inst.iq2_grid)) + len(kernels.render_source(inst.kind, "metal"))
-        assert size <= (21_000 if inst.iq2_grid else 14_000), (inst.tag, size)
+        assert size <= (22_000 if inst.iq2_grid else 15_500), (inst.tag, size)  # mv: 17.7 + 4.1 KB / 11.1 + 4.1 KB
     assert "0x" not in kernels.render_header("mv", "cuda", False).split("DS_IQ2_GRID_WORDS", 1)[1].split("\n", 1)[0]
     for kind in kernels.fused.SPECS:
         size = len(kernels.fused.render_fused_header("metal", kind)) + len(kernels.render_source(kind, "metal"))

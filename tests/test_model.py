@@ -64,8 +64,30 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
     assert res["decode_ms"] > 0 and res["decode_uncompiled_ms"] > 0 and res["prefill_tok_s"] > 0 and 0 < res["floor_ratio"]
     assert set(res["components_ms"]) == {"attention", "moe", "hc", "output head"}
     assert all(v > 0 for v in res["components_ms"].values())
+    assert res["decode_lag2_ms"] > 0 and res["decode_lag2_host_split_ms"]["encode"] > 0 and 0 < res["floor_ratio_lag2"]
     quick = bench.main(["--shape", "tiny", "--prefill", "9", "--decode", "2", "--quick"])  # what mlx_cuda_env.py runs
     assert quick["decode_ms"] > 0 and quick["decode_uncompiled_ms"] is None and quick["components_ms"] == {}
+
+
+def test_pipeline_depth_runs_at_tiny_shape():
+    """benchmarks/pipeline_depth.py: every variant, from the same snapshot (so the same tokens each time)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))  # it imports benchmarks/model.py as `model`
+    try:
+        spec = importlib.util.spec_from_file_location("pipeline_depth", bench_dir / "pipeline_depth.py")
+        pd = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(pd)
+        res = pd.main(["--shape", "tiny", "--prefill", "24", "--decode", "3", "--rounds", "1"])
+    finally:
+        sys.path.remove(str(bench_dir))
+    assert set(res) == set(pd.VARIANTS)
+    for name, [(ms, wait)] in res.items():
+        assert ms > 0 and wait >= 0, name
+    assert res["lag1+6ms"][0][0] >= 6.0  # the sleep is inside the timed step
 
 
 def test_ab_decode_runs_both_trees(tmp_path):
@@ -103,7 +125,8 @@ def test_decode_step_launch_budget():
     cached weight views were materialized, 332 after (8.8 a layer here). 24.8 launches a layer with the q_a
     norm as the q_b matvec's prologue. A step that completes the ratio-4 windows (ctx 67) had ~33 before their
     rows' FP8/QAT/f16 rounding moved into the emit launch, 26.2 after. 24.0 (25.3 completing) with each
-    layer's last HC post inside the next layer's first mix.
+    layer's last HC post inside the next layer's first mix. 22.0 (23.3) with the shared expert inside the
+    routed experts' two launches.
     """
     import importlib.util
     from pathlib import Path
@@ -113,11 +136,11 @@ def test_decode_step_launch_budget():
     gc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gc)
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
-    assert res["compiled"] and res["kernel_launches"] >= 6 * 18  # the custom kernels were on the path
-    assert res["launches_per_layer"] <= 24.5, res
+    assert res["compiled"] and res["kernel_launches"] >= 6 * 16  # the custom kernels were on the path
+    assert res["launches_per_layer"] <= 22.5, res
     assert res["view_ops"] <= 10 * 6, res
     res = gc.main(["--layers", "6", "--ctx", "67", "--reps", "2"])  # this step completes the ratio-4 windows
-    assert res["launches_per_layer"] <= 26, res
+    assert res["launches_per_layer"] <= 24, res
     assert res["view_ops"] <= 11 * 6, res
 
 

@@ -14,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import expert_down_sum, expert_swiglu, moe_route
+from ..kernels.fused import expert_down_sum, expert_swiglu, experts_with_shared, moe_route
+from ..weights import QuantWeight
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
 RANK_MAX_ELEMS = 1 << 25  # largest [T, N, N] comparison block of the top-k selection
@@ -113,8 +114,11 @@ class MoE:
         self.ffn_gate_exps = weights[p + "ffn_gate_exps.weight"]  # [n_expert, F, E]
         self.ffn_up_exps = weights[p + "ffn_up_exps.weight"]  # [n_expert, F, E]
         self.ffn_down_exps = weights[p + "ffn_down_exps.weight"]  # [n_expert, E, F]
-        self.ffn_gate_shexp = weights[p + "ffn_gate_shexp.weight"]  # [F, E]
-        self.ffn_up_shexp = weights[p + "ffn_up_shexp.weight"]  # [F, E]
+        # The shared expert's gate and up rows stacked [2F, E]: decode reads them in the routed experts' launch;
+        # the two parts are views of its rows (no second copy).
+        self.ffn_gate_up_shexp = QuantWeight.stack_rows([weights[p + f"ffn_{k}_shexp.weight"] for k in ("gate", "up")])
+        F = self.ffn_gate_up_shexp.out_features // 2
+        self.ffn_gate_shexp, self.ffn_up_shexp = self.ffn_gate_up_shexp.split_rows([F, F])  # [F, E] each
         self.ffn_down_shexp = weights[p + "ffn_down_shexp.weight"]  # [E, F]
 
     def route(self, n: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
@@ -150,4 +154,6 @@ class MoE:
     def forward(self, n: mx.array, tokens: mx.array) -> mx.array:
         """The sublayer from its normed input ``n [T, E]`` (:meth:`norm`) -> ``y [T, E]``."""
         sel, w = self.route(n, tokens)
-        return self.routed(n, sel, w, add=self.shared(n))
+        y = experts_with_shared(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self.ffn_gate_up_shexp,
+                                self.ffn_down_shexp, n, sel, w, self.clamp)  # decode on the GPU: two launches
+        return self.routed(n, sel, w, add=self.shared(n)) if y is None else y

@@ -1,0 +1,81 @@
+"""Is the pipelined decode step bound by the host or by the device? Variants of one loop, in rounds, same context.
+
+    python benchmarks/pipeline_depth.py [--shape full] [--layers N] [--decode 32] [--rounds 2]
+
+Each variant restores the same session snapshot (prefill 1024 + warm-up) and decodes ``--decode`` greedy tokens
+with the token ids fed lazily (mlx-lm style), reading token k back after building step k + lag:
+``lag1`` (what benchmarks/model.py headlines), ``lag1+3ms`` / ``lag1+6ms`` (the host made slower by a sleep per
+step), ``lag2`` and ``nowait`` (read back only at the end). If the host were the only limit, a sleep would add its
+whole length to the step and a deeper queue would change nothing; if the device were, the sleep would vanish
+into the host's wait. Reported per variant: ms/token and the host's ms/token spent waiting for a token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import model as bench  # noqa: E402  (benchmarks/model.py: the shapes, weights and warm-up it times with)
+from ds4_mlx.session import STATE_EVAL_EVERY, Session  # noqa: E402
+
+VARIANTS = {"lag1": dict(lag=1), "lag1+3ms": dict(lag=1, delay=0.003), "lag1+6ms": dict(lag=1, delay=0.006),
+            "lag2": dict(lag=2), "nowait": dict(lag=None)}
+
+
+def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0) -> tuple[float, float]:
+    """(ms/token, wait ms/token) of ``n`` steps from ``start``; ``lag=None`` reads tokens back only at the end."""
+    sess.restore(start)
+    toks = [mx.argmax(sess.logits)]
+    wait, t0 = 0.0, time.perf_counter()
+    for _ in range(n):
+        toks.append(mx.argmax(sess.step(toks[-1])))
+        if delay:
+            time.sleep(delay)
+        if lag is not None and len(toks) > lag:
+            t = time.perf_counter()
+            toks[-1 - lag].item()
+            wait += time.perf_counter() - t
+    toks[-1].item()
+    return (time.perf_counter() - t0) / n * 1e3, wait / n * 1e3
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=("full", "tiny"), default="full")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--prefill", type=int, default=1024)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    cfg = bench.shape_config(args.shape, args.layers)
+    model = bench.Model(cfg, bench.random_weights(cfg, "q2"))
+    prompt = [0] + np.random.default_rng(0).integers(2, cfg.n_vocab, args.prefill - 1).tolist()
+    Session(model).prefill(prompt[:512])  # kernel JIT
+    sess = Session(model)
+    sess.prefill(prompt)
+    start = sess.snapshot()
+    bench.decode_seconds(sess, max(max(cfg.compress_ratios), STATE_EVAL_EVERY) + 1, pipelined=False)  # warm-up
+    res: dict[str, list] = {}
+    for rnd in range(args.rounds):
+        for name, kw in VARIANTS.items():
+            ms, wait = run(sess, start, args.decode, **kw)
+            res.setdefault(name, []).append((round(ms, 2), round(wait, 2)))
+            print(f"round {rnd} {name:10s} {ms:7.2f} ms/token  wait {wait:5.2f}", flush=True)
+    print(json.dumps(res))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
