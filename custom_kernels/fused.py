@@ -34,6 +34,7 @@ costs the host several µs to encode), so every launch these kernels save is tim
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -51,9 +52,9 @@ from . import (
 #: its decode launch on hc_mix's partials (one threadgroup for the token: more simdgroups sum the partials).
 HC_PRE_THREADS = 256
 HC_PRE_SPLIT_THREADS = 512
-#: Elements of x a HC pre thread keeps in registers (hc_pre.body's XK): the kernel takes E <= 16 * 256 = 4096
-#: (the full shape's width); wider states take the MLX path.
-HC_PRE_XK = 16
+#: Elements of x a HC pre thread keeps in registers, read from hc_pre.body (its XK, the one definition): the
+#: kernel takes E <= 16 * 256 = 4096 (the full shape's width); wider states take the MLX path.
+HC_PRE_XK = int(re.search(r"constexpr int XK = (\d+);", _read("hc_pre.body")).group(1))
 #: Tokens per HC pre threadgroup: 1 for decode-sized T, more in prefill so each fn read serves several tokens.
 #: H200, E=4096, T=512: TPB 1 / 2 / 4 took 166 / 156 / 268 µs (TPB=4 needs 128 registers a thread).
 HC_PRE_TPB_CHOICES = (1, 2, 4)
