@@ -108,15 +108,23 @@ def test_anthropic_sdk(base):
 
 
 def test_responses_sdk(oai):
+    # The Responses API takes no seed and the server samples at temperature 1 from a time-seeded RNG, so the
+    # random tiny model may sample EOS before the token cap: "completed" then, with fewer tokens (a 2026-11-30
+    # CI run did). Either way the status must match the tokens written.
     r = oai.responses.create(model="deepseek-chat", input="hello", max_output_tokens=4)
-    assert r.object == "response" and r.status == "incomplete" and r.usage.output_tokens == 4
+    assert r.object == "response" and r.status in ("incomplete", "completed")
+    assert (r.status == "incomplete") == (r.usage.output_tokens == 4) and r.usage.output_tokens <= 4
     events = list(oai.responses.create(model="deepseek-v4-flash", input=[
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
         reasoning={"effort": "high", "summary": "auto"}, max_output_tokens=5, stream=True))
     types = [e.type for e in events]
-    assert types[0] == "response.created" and types[-1] == "response.incomplete"
+    final = events[-1].response
+    assert types[0] == "response.created" and types[-1] == f"response.{final.status}"
+    assert (final.status == "incomplete") == (final.usage.output_tokens == 5) and final.usage.output_tokens <= 5
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert "response.reasoning_summary_text.delta" in types
+    summary = "".join(p.text for item in final.output if item.type == "reasoning" for p in item.summary)
+    # the reasoning streamed as summary deltas (it is empty only when EOS or </think> was sampled first)
+    assert ("response.reasoning_summary_text.delta" in types) == bool(summary)
 
 
 def test_tool_round_trip_real_model(base, oai):
