@@ -3,8 +3,9 @@
     python benchmarks/launch_cost.py [--reps 300] [--json out.json]
 
 Each row builds a chain of ``--reps`` dependent ops of one kind (each op reads the previous op's output),
-then evaluates it once. Reported per op: the Python/graph building time and the evaluation time (what the
-device queue costs: encoding + launch + the kernel). A decode step is such a chain of ~3500 ops, so these
+then evaluates it once. Reported per op: the Python/graph building time, the encode time (``mx.async_eval``:
+MLX turning the ops into launches, the host's share) and the evaluation time (what the device queue costs:
+encoding + launch + the kernel). A decode step is such a chain of ~3500 ops, so these
 numbers say which ops dominate it. Rows: an elementwise multiply (alone, and with three reshapes: what a view costs), ``mx.fast.rms_norm``, a trivial custom
 kernel (a copy), the quant matvec kernel on a 4096x4096 Q8_0 weight (L2-resident: launch cost, not
 bandwidth), attention-sized matmuls, ``mx.topk`` / ``mx.argpartition`` over 2048 scores, a gather.

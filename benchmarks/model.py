@@ -102,9 +102,9 @@ def decode_seconds(sess: Session, n: int, pipelined: bool, lag: int = 1) -> tupl
 
     Pipelined (mlx-lm style): the next step's graph is built while the device runs this one and the token
     ids are read back ``lag`` steps late, as a streaming generator would (mlx-lm: 1). Otherwise each step waits
-    for its token. With ``lag=1`` the host, done encoding step k+1, waits for token k while the device still runs
-    it, and then leaves the device to drain step k+1 while it builds step k+2; ``lag=2`` keeps a step queued
-    through that build (on the H200 it removed the ~2.5 ms wait: benchmarks/RESULTS.md, twelfth session).
+    for its token. With ``lag=1`` the host, done encoding step k+1, waits ~2.5 ms a step on the H200 for token k;
+    ``lag=2`` keeps one more step queued and removed that wait (why the device falls behind with one step queued
+    is not traced: benchmarks/RESULTS.md, twelfth session).
     The parts (meaningful when pipelined): ``build`` (Python and the compiled steps' trace replay), ``encode``
     (inside ``mx.async_eval``, where MLX turns every op into launches) and ``wait`` (for the previous token).
     A wait near zero means the device idles on the host, not the other way round.

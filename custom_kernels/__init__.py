@@ -250,11 +250,11 @@ def mv_config(qtype: QT, n_out: int, n_pairs: int, epi: int = MV_PLAIN) -> tuple
 
 
 def mv_template(
-    qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN, shared: QT | None = None
+    qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN, shared_qt: QT | None = None
 ) -> tuple:
-    """``shared``: the type of the shared expert's weight read by the same launch (mv.body ``SH``)."""
+    """``shared_qt``: the type of the shared expert's weight read by the same launch (mv.body ``SH``)."""
     return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks), ("EPI", epi),
-            ("SH", shared is not None), ("SQT", int(qtype if shared is None else shared)))
+            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)))
 
 
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
@@ -391,14 +391,14 @@ def mv(
     P = ids.size if gather else n_x
     if shared is not None and epi == MV_SUM:
         n_x -= P // k_slots  # the shared rows after the routed ones
-    sh = None if shared is None else shared.qtype
+    shared_qt = None if shared is None else shared.qtype
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
-    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, sh)
+    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, shared_qt)
     plan = qw._cache.get(("mv",) + key)
     if plan is None:
         plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
     wb, params, template, grid, threadgroup, out_shape = plan
-    return get_kernel("mv", backend, QT.IQ2_XXS in (qw.qtype, sh))(
+    return get_kernel("mv", backend, QT.IQ2_XXS in (qw.qtype, shared_qt))(
         inputs=[
             wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params,
             _dummy(mx.uint8) if w2 is None else weight_bytes(w2),
@@ -416,7 +416,7 @@ def mv(
 
 def _mv_plan(
     qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: bool = False,
-    clamp: float = 0.0, shared: QT | None = None,
+    clamp: float = 0.0, shared_qt: QT | None = None,
 ) -> tuple:  # fmt: skip
     """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
@@ -430,8 +430,8 @@ def _mv_plan(
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux))
     groups = -(-n_out // (nr * nsg // ks))
-    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared))
-    rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared is not None else 0)
+    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt))
+    rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared_qt is not None else 0)
     return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 

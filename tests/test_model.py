@@ -72,18 +72,13 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
 def test_pipeline_depth_runs_at_tiny_shape():
     """benchmarks/pipeline_depth.py: every variant, from the same snapshot (so the same tokens each time)."""
     import importlib.util
-    import sys
     from pathlib import Path
 
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench_dir))  # it imports benchmarks/model.py as `model`
-    try:
-        spec = importlib.util.spec_from_file_location("pipeline_depth", bench_dir / "pipeline_depth.py")
-        pd = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(pd)
-        res = pd.main(["--shape", "tiny", "--prefill", "24", "--decode", "3", "--rounds", "1"])
-    finally:
-        sys.path.remove(str(bench_dir))
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_depth.py"
+    spec = importlib.util.spec_from_file_location("pipeline_depth", path)
+    pd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pd)
+    res = pd.main(["--shape", "tiny", "--prefill", "24", "--decode", "3", "--rounds", "1"])
     assert set(res) == set(pd.VARIANTS)
     for name, [(ms, wait)] in res.items():
         assert ms > 0 and wait >= 0, name
