@@ -193,12 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
             times[name] = round(chain_us(fn, x0, args.reps), 1)
         # the same layer with the launch shapes of the previous commit (no K split, one-threadgroup HC pre)
         K, F = _kernels(), _kernels().fused
-        saved = K.MV_KSPLIT_BELOW, F.HC_PRE_SPLIT_MAX_T
-        K.MV_KSPLIT_BELOW, F.HC_PRE_SPLIT_MAX_T = 0, 0
+        saved = K.MV_KSPLIT_ALL, K.MV_KSPLIT_BELOW, F.HC_PRE_SPLIT_MAX_T
+        K.MV_KSPLIT_ALL, K.MV_KSPLIT_BELOW, F.HC_PRE_SPLIT_MAX_T = 0, 0, 0
         try:
             times["layer, unsplit launches"] = round(chain_us(layer_pieces(model, il, sess.caches[il], sess.pos, tok)["layer"], x0, args.reps), 1)
         finally:
-            K.MV_KSPLIT_BELOW, F.HC_PRE_SPLIT_MAX_T = saved
+            K.MV_KSPLIT_ALL, K.MV_KSPLIT_BELOW, F.HC_PRE_SPLIT_MAX_T = saved
         kinds[r] = {"layer": il, "us": times}
         print(f"layer {il} (ratio {r}):", json.dumps(times), flush=True)
     out["kinds"] = kinds

@@ -34,23 +34,29 @@ SOURCE_DIR = Path(__file__).resolve().parent
 #: Types the custom kernels handle (plain types need ``in % 32 == 0``).
 KERNEL_TYPES = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS, QT.F16, QT.BF16, QT.F32)
 
-#: Decode matvec tuning per type: (NR rows per simdgroup, NSG simdgroups per threadgroup).
+#: Decode matvec tuning per type: (NR rows per simdgroup, NSG simdgroups per threadgroup), measured on the H200
+#: (benchmarks/RESULTS.md): NR 4 → 8 helped Q4_K (+33%) and NR 2 → 4 the Q8_0 launches; IQ2_XXS at NR 16 and
+#: Q2_K at NR 8 were slower (registers / fewer blocks); F16 (4, 2) took 0.75-0.83x the device time of (2, 4)
+#: on the model's F16 launches (benchmarks/mv_sweep.py, Nsight Compute).
 MV_CONFIG = {
-    # Measured on the H200 (benchmarks/RESULTS.md): NR 4 → 8 helped Q4_K (+33%) and NR 2 → 4 the Q8_0 LM
-    # head (+23%); IQ2_XXS at NR 16 and Q2_K at NR 8 were slower (registers / fewer blocks), so they stay at 4.
     QT.IQ2_XXS: (4, 2),
     QT.Q2_K: (4, 2),
     QT.Q4_K: (8, 2),
     QT.Q8_0: (4, 4),
-    QT.F16: (2, 4),
-    QT.BF16: (2, 4),
+    QT.F16: (4, 2),
+    QT.BF16: (4, 2),
     QT.F32: (1, 4),
 }
-#: Split K across the NSG simdgroups of a threadgroup (template KS = NSG) when the unsplit launch would have
-#: fewer threadgroups than this (all tokens/pairs counted): the small decode projections. The 6-expert
-#: gathered launches (1536 groups) stay unsplit: split, they were 1.5x slower on the H200
-#: (benchmarks/decode_profile.py --sweep).
-MV_KSPLIT_BELOW = 512
+#: Rows of at most this many weights are one span per simdgroup, so the activation loads (and an RMSNorm
+#: prologue's) are a large part of the launch: twice the rows per simdgroup and half the simdgroups (the same
+#: staged bytes), where NSG >= 4. Q8_0 q_b (32768 x 1024) with its RMSNorm prologue: 34.4 -> 27.7 µs.
+MV_SHORT_K = 1024
+#: Split K across simdgroups when the launch has few threadgroups (all output rows counted): all NSG of them
+#: below MV_KSPLIT_ALL threadgroups, two below MV_KSPLIT_BELOW (out_b 4096 x 8192: KS 4 25.8 µs, KS 2
+#: 22.8; the routed down sum, 512 threadgroups: KS 1 40.3, KS 2 36.1), none above (the routed SwiGLU launch,
+#: 3584 threadgroups: KS 2 was slower).
+MV_KSPLIT_ALL = 128
+MV_KSPLIT_BELOW = 1024
 #: Token tile widths of the prefill kernel (dense and gathered).
 MM_BN_DENSE = 64
 MM_BN_GATHER = 32
@@ -239,14 +245,24 @@ class Instantiation:
         return QT.IQ2_XXS in (t["QT"], t.get("SQT"))
 
 
-def mv_config(qtype: QT, n_out: int, n_pairs: int, epi: int = MV_PLAIN) -> tuple[int, int, int]:
-    """(NR, NSG, KS) of a matvec launch: the type's tuning, K split when the launch is small. The SwiGLU
-    epilogue reads two weights, so it stages NR/2 rows of each (the same bytes per simdgroup)."""
+def mv_config(qtype: QT, n_out: int, n_rows: int, epi: int = MV_PLAIN, n_in: int = 0) -> tuple[int, int, int]:
+    """(NR, NSG, KS) of a matvec launch with ``n_rows`` rows of output (tokens, pairs, or tokens of a summed
+    gather) of ``n_out`` each: the type's tuning, short rows (``n_in`` <= MV_SHORT_K) and K split as above.
+    The SwiGLU epilogue reads two weights, so it stages NR/2 rows of each (the same bytes per simdgroup)."""
     nr, nsg = MV_CONFIG[QT(qtype)]
     if epi == MV_SWIGLU:
         nr = max(1, nr // 2)
-    groups = -(-n_out // (nr * nsg)) * n_pairs
-    return nr, nsg, (nsg if groups < MV_KSPLIT_BELOW else 1)
+    elif 0 < n_in <= MV_SHORT_K and nsg >= 4:
+        nr, nsg = 2 * nr, nsg // 2
+    groups = -(-n_out // (nr * nsg)) * n_rows
+    ks = nsg if groups < MV_KSPLIT_ALL else 2 if groups < MV_KSPLIT_BELOW and nsg % 2 == 0 else 1
+    return nr, nsg, ks
+
+
+def mv_launch_shapes(qtype: QT, epi: int) -> list[tuple[int, int, int]]:
+    """Every (NR, NSG, KS) :func:`mv_config` can pick for a type and epilogue (the compile-check matrix)."""
+    shapes = {mv_config(qtype, 1, 1, epi)[:2], mv_config(qtype, 1, 1, epi, MV_SHORT_K)[:2]}
+    return [(nr, nsg, ks) for nr, nsg in sorted(shapes) for ks in sorted({1, 2, nsg}) if nsg % ks == 0]
 
 
 def mv_template(
@@ -265,14 +281,12 @@ def instantiations() -> list[Instantiation]:
     """Every specialization the dispatcher can launch (the compile-check matrix)."""
     out = []
     for qt in KERNEL_TYPES:
-        nsg = MV_CONFIG[qt][1]
         for gather in (False, True):
             for epi in MV_EPILOGUES:
                 if ((epi == MV_SUM and not gather) or (epi == MV_RMS and gather)
                         or (epi == MV_SWIGLU and qt not in MV_SWIGLU_TYPES)):  # fmt: skip
                     continue
-                nr = mv_config(qt, 1, 1, epi)[0]
-                for ks in (1, nsg):
+                for nr, nsg, ks in mv_launch_shapes(qt, epi):
                     out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi)))
                     if gather and epi in (MV_SWIGLU, MV_SUM) and qt in MV_SHARED_ROUTED:  # MoE + shared expert
                         out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, MV_SHARED_TYPE)))
@@ -421,7 +435,8 @@ def _mv_plan(
     """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
     wb = weight_bytes(qw)
-    nr, nsg, ks = config or mv_config(qw.qtype, n_out, P, epi)
+    rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared_qt is not None else 0)  # of y
+    nr, nsg, ks = config or mv_config(qw.qtype, n_out, rows, epi, n_in)
     if nsg % ks:
         raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")
     if epi == MV_SUM and (not gather or P % k_slots):
@@ -431,7 +446,6 @@ def _mv_plan(
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux))
     groups = -(-n_out // (nr * nsg // ks))
     template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt))
-    rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared_qt is not None else 0)
     return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 

@@ -77,11 +77,15 @@ def test_instantiation_matrix_covers_every_type_and_kind():
     tags = {i.tag for i in kernels.instantiations()}
     for qt in kernels.KERNEL_TYPES:
         for g in (0, 1):
-            nr, nsg = kernels.MV_CONFIG[qt]
-            for ks in (1, nsg):  # both launch shapes the dispatcher picks (kernels.mv_config)
+            # every launch shape the dispatcher picks (kernels.mv_config), short rows and K splits included
+            for nr, nsg, ks in kernels.mv_launch_shapes(qt, kernels.MV_PLAIN):
                 assert f"mv_QT{int(qt)}_NR{nr}_NSG{nsg}_GATHER{g}_KS{ks}_EPI0_SH0_SQT{int(qt)}" in tags
             for bn in kernels.MM_BN_CHOICES:
                 assert f"mm_QT{int(qt)}_BN{bn}_GATHER{g}" in tags
+    for qt, n_out, rows, epi, n_in in _MODEL_LAUNCHES:
+        nr, nsg, ks = kernels.mv_config(qt, n_out, rows, epi, n_in)
+        assert any(f"_NR{nr}_NSG{nsg}_" in t and f"_KS{ks}_EPI{epi}_" in t and t.startswith(f"mv_QT{int(qt)}_")
+                   for t in tags), (qt, n_out, epi)
 
 
 def test_rendered_sources_share_one_body():
@@ -95,16 +99,36 @@ def test_rendered_sources_share_one_body():
     assert kernels.iq2_grid_words().count("0x") == 512
 
 
-def test_mv_config_splits_k_only_for_small_launches():
-    """K is split (KS = NSG) for the small decode projections, never for the LM head or the expert gathers
-    (both measured slower split on the H200, benchmarks/RESULTS.md)."""
+# (type, rows of the weight, rows of output, epilogue, K) of the full-shape model's decode matvecs
+_MODEL_LAUNCHES = [
+    (QT.Q8_0, 1536, 1, kernels.MV_RMS, 4096),  # q_a + kv
+    (QT.Q8_0, 32768, 1, kernels.MV_RMS, 1024),  # q_b
+    (QT.Q8_0, 4096, 1, kernels.MV_PLAIN, 8192),  # out_b
+    (QT.Q8_0, 1024, 8, kernels.MV_PLAIN, 4096),  # out_a, 8 groups
+    (QT.Q8_0, 129280, 1, kernels.MV_PLAIN, 4096),  # LM head
+    (QT.IQ2_XXS, 2048, 7, kernels.MV_SWIGLU, 4096),  # 6 routed experts + the shared one
+    (QT.Q2_K, 4096, 1, kernels.MV_SUM, 2048),  # their down products, summed
+    (QT.F16, 256, 1, kernels.MV_PLAIN, 4096),  # router
+    (QT.F16, 8192, 1, kernels.MV_PLAIN, 1024),  # indexer q_b
+]
+
+
+def test_mv_config_follows_the_measured_rules():
+    """K split in all simdgroups for few threadgroups, in two for a middling count, never for many (the LM head,
+    the routed SwiGLU); short rows (K <= MV_SHORT_K) get twice the rows per simdgroup (benchmarks/RESULTS.md)."""
+    cfg = {(qt, n, e): kernels.mv_config(qt, n, r, e, k) for qt, n, r, e, k in _MODEL_LAUNCHES}
     nr, nsg = kernels.MV_CONFIG[QT.Q8_0]
-    assert kernels.mv_config(QT.Q8_0, 1024, 1) == (nr, nsg, nsg)  # q_a
-    assert kernels.mv_config(QT.Q8_0, 129280, 1) == (nr, nsg, 1)  # LM head
-    assert kernels.mv_config(QT.Q8_0, 32768, 1)[2] == 1  # q_b
-    assert kernels.mv_config(QT.IQ2_XXS, 2048, 6)[2] == 1  # 6 routed experts
+    assert cfg[QT.Q8_0, 1536, kernels.MV_RMS] == (nr, nsg, nsg)  # 96 threadgroups
+    assert cfg[QT.Q8_0, 4096, kernels.MV_PLAIN] == (nr, nsg, 2)  # 256
+    assert cfg[QT.Q8_0, 129280, kernels.MV_PLAIN] == (nr, nsg, 1)  # 8080
+    assert cfg[QT.Q8_0, 32768, kernels.MV_RMS] == (2 * nr, nsg // 2, 1)  # short rows
+    nr, nsg = kernels.MV_CONFIG[QT.IQ2_XXS]
+    assert cfg[QT.IQ2_XXS, 2048, kernels.MV_SWIGLU] == (nr // 2, nsg, 1)  # 3584 threadgroups
+    assert cfg[QT.Q2_K, 4096, kernels.MV_SUM][2] == 2  # one token's sum: 512 threadgroups, not 6 x 512
+    assert kernels.mv_config(QT.Q2_K, 4096, 6, kernels.MV_PLAIN, 2048)[2] == 1  # six unsummed rows
     nr, nsg = kernels.MV_CONFIG[QT.F16]
-    assert kernels.mv_config(QT.F16, 256, 1) == (nr, nsg, nsg)  # router
+    assert cfg[QT.F16, 256, kernels.MV_PLAIN] == (nr, nsg, nsg)
+    assert cfg[QT.F16, 8192, kernels.MV_PLAIN] == (nr, nsg, 1)  # NSG < 4: no short-row change
 
 
 def test_mv_launch_plan():

@@ -180,6 +180,38 @@ def test_kernel_profile_reads_ncu_csv(tmp_path, capsys):
         kp.compare_mv(new, step)
 
 
+def test_mv_sweep_configs_and_summary(tmp_path, capsys):
+    """benchmarks/mv_sweep.py (its ncu run needs a GPU): the shared-memory bound on its configs, and the
+    median of each config's three measured launches out of five."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))  # mv_sweep reads ncu logs with kernel_profile's reader
+    try:
+        spec = importlib.util.spec_from_file_location("mv_sweep", bench / "mv_sweep.py")
+        ms = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ms)
+        assert (8, 2, 1) in ms.configs("Q8_0", nrs=(8,)) and (8, 4, 1) not in ms.configs("Q8_0", nrs=(8,))  # 69 KB
+        assert ms.configs("Q8_0", nrs=(4,), nsgs=(4,)) == [(4, 4, 1), (4, 4, 2), (4, 4, 4)]
+        assert (4, 4, 2) not in ms.configs("IQ2_XXS", 2, "Q8_0", nsgs=(4,))  # the shared Q8_0 rows widen the stage
+        head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+        times = [9, 9, 5, 4, 6, 9, 9, 3, 2, 1]  # two configs: medians 5 and 2
+        rows = [f'"{i}","ds_mv_x","gpu__time_duration.sum","us","{t}"' for i, t in enumerate(times)]
+        (tmp_path / "ncu.csv").write_text("\n".join([head] + rows))
+        (tmp_path / "labels.json").write_text(json.dumps([["q_b", [4, 4, 1]], ["q_b", None]]))
+        res = ms.summarize(tmp_path / "ncu.csv", tmp_path / "labels.json")
+        assert res == {"q_b": [("default", 2.0), ((4, 4, 1), 5.0)]}
+        assert "default: 2.0" in capsys.readouterr().out
+        (tmp_path / "labels.json").write_text(json.dumps([["q_b", None]]))
+        with pytest.raises(SystemExit):
+            ms.summarize(tmp_path / "ncu.csv", tmp_path / "labels.json")  # 10 launches for one config
+    finally:
+        sys.path.remove(str(bench))
+
+
 def test_timeline_reads_nsys_sqlite(tmp_path, capsys):
     """benchmarks/timeline.py's analysis of an Nsight Systems export (its captures need a GPU): busy time as the
     union of overlapping activity, and an idle gap counted as the host's when the next work was queued late."""

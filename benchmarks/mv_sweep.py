@@ -1,0 +1,141 @@
+"""Device time of the model's own decode matvec launches under several (NR, NSG, KS) configs, under Nsight Compute.
+
+    ncu --clock-control none --kernel-name regex:ds_mv --metrics gpu__time_duration.sum --csv \
+        python benchmarks/mv_sweep.py labels.json > ncu.csv        # on the GPU (CUDA only)
+    python benchmarks/mv_sweep.py --summarize ncu.csv labels.json  # anywhere
+
+The launches are the full-shape decode step's (one token): q_b and q_a+kv with the RMSNorm prologue, out_b,
+the grouped out_a, the ratio-4 layers' stacked F16 projections and the indexer's q_b, and the routed experts'
+two launches with and without the shared expert inside (``mv`` ``shared``). Each config of each launch runs
+twice unmeasured (JIT, caches), then three times; ``--summarize`` takes the median of the three per config and
+prints the fastest configs per launch, next to the one the dispatcher picks (``kernels.mv_config``). Configs
+whose staged rows would not fit CUDA's 48 KB of static shared memory are skipped. ``BUDGET`` (seconds, default
+300) stops starting new configs, so a device call's limit cuts the sweep at a config boundary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# stage bytes per row and span of each type (mv.body DS_SPAN_OF), for the shared-memory bound
+SPAN = {"Q8_0": 1088, "Q2_K": 336, "IQ2_XXS": 264, "F16": 2048}
+PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv rms", "out_b", "out_a g8",
+            "f16 r4 stack", "idx q_b f16"]
+
+
+def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
+    """(NR, NSG, KS) candidates whose double-buffered stage (2 x NSG x NR x nw rows x the span pitch) fits."""
+    pitch = max(SPAN[qt], SPAN.get(shared, 0))
+    out = []
+    for nr, nsg in itertools.product(nrs, nsgs):
+        for ks in kss or sorted({1, max(1, nsg // 2), nsg}):
+            if ks <= nsg and nsg % ks == 0 and ks <= ks_max and 2 * nsg * nr * nw * pitch + 2048 * (qt == "IQ2_XXS") <= 46000:
+                out.append((nr, nsg, ks))
+    return out
+
+
+def cases():
+    """[(launch name, config, call)] at the full V4 Flash shape, random weights and activations on the device."""
+    import mlx.core as mx
+    from gguf import GGMLQuantizationType as QT
+
+    from ds4_mlx.random_model import random_block_bytes
+    from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend
+
+    K, b = _kernels(), kernel_backend()
+
+    def weight(qt: str, shape):
+        t = QT[qt]
+        data = (mx.random.normal(shape) * 0.02).astype(mx.float16) if t == QT.F16 else random_block_bytes(t, shape, 0.02)
+        w = QuantWeight(data, t, shape)
+        mx.eval(w.data)
+        return w
+
+    qb, qakv, outb = weight("Q8_0", (32768, 1024)), weight("Q8_0", (1536, 4096)), weight("Q8_0", (4096, 8192))
+    outa, f16r4, iqb = weight("Q8_0", (8, 1024, 4096)), weight("F16", (2112, 4096)), weight("F16", (8192, 1024))
+    gate, up = weight("IQ2_XXS", (256, 2048, 4096)), weight("IQ2_XXS", (256, 2048, 4096))
+    down, sgu, sd = weight("Q2_K", (256, 4096, 2048)), weight("Q8_0", (4096, 4096)), weight("Q8_0", (4096, 2048))
+    x1k, x4k, x8k, x8 = (mx.random.normal(s) for s in ((1, 1024), (1, 4096), (1, 8192), (8, 4096)))
+    nw1k, nw4k = mx.random.uniform(0.5, 1.5, (1024,)), mx.random.uniform(0.5, 1.5, (4096,))
+    ids, rw = mx.array([[3, 17, 40, 99, 180, 250]], dtype=mx.int32), mx.random.uniform(shape=(1, 6))
+    mid7, mid6, gids = mx.random.normal((7, 2048)), mx.random.normal((6, 2048)), mx.arange(8, dtype=mx.int32)
+    moe = dict(ids=ids, k_slots=6)
+    plans = [
+        ("q_b rms", configs("Q8_0", nrs=(1, 2, 4, 8), kss=(1, 2)),
+         lambda c: K.mv(qb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
+        ("q_b", [None, (2, 4, 1), (8, 2, 1), (2, 8, 1)], lambda c: K.mv(qb, x1k, b, config=c)),
+        ("qa+kv rms", configs("Q8_0"), lambda c: K.mv(qakv, x4k, b, config=c, epi=K.MV_RMS, aux=nw4k, clamp=1e-6)),
+        ("out_b", configs("Q8_0"), lambda c: K.mv(outb, x8k, b, config=c)),
+        ("out_a g8", configs("Q8_0", nsgs=(2, 4), ks_max=4), lambda c: K.mv(outa, x8, b, ids=gids, k_slots=8, config=c)),
+        ("f16 r4 stack", configs("F16"), lambda c: K.mv(f16r4, x4k, b, config=c)),
+        ("idx q_b f16", configs("F16"), lambda c: K.mv(iqb, x1k, b, config=c)),
+        ("gateup+sh", configs("IQ2_XXS", 2, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
+         lambda c: K.mv(gate, x4k, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c)),
+        ("gateup", configs("IQ2_XXS", 2, nsgs=(1, 2, 4), ks_max=2),
+         lambda c: K.mv(gate, x4k, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, config=c)),
+        ("down+sh", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
+         lambda c: K.mv(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c)),
+        ("down", configs("Q2_K", nsgs=(1, 2, 4), ks_max=2), lambda c: K.mv(down, mid6, b, **moe, epi=K.MV_SUM, config=c)),
+    ]
+    out = [(name, c, (lambda f=f, c=c: f(c))) for name, cs, f in plans for c in cs]
+    return sorted(out, key=lambda t: (PRIORITY.index(t[0]), t[1] is not None))
+
+
+def run(labels_path: Path) -> None:
+    import mlx.core as mx
+
+    budget, t0 = float(os.environ.get("BUDGET", "300")), time.time()
+    labels = []
+    for name, c, call in cases():
+        if time.time() - t0 > budget:
+            print("budget reached", flush=True)
+            break
+        try:
+            for _ in range(5):  # 2 unmeasured + 3 measured launches (ncu sees all five)
+                mx.eval(call())
+        except Exception as e:  # a config the kernel rejects: no launch was made
+            print("FAIL", name, c, e, flush=True)
+            continue
+        labels.append((name, c))
+        print(f"{time.time() - t0:.1f}", name, c, flush=True)
+    labels_path.write_text(json.dumps(labels))
+
+
+def summarize(ncu_csv: Path, labels_path: Path, top: int = 6) -> dict:
+    """Median µs of each (launch, config) from the ncu log; prints the fastest configs per launch."""
+    from kernel_profile import kernel_times
+
+    labels = json.loads(labels_path.read_text())
+    us = [t for _, t in kernel_times(ncu_csv)]
+    if len(us) != 5 * len(labels):
+        raise SystemExit(f"{ncu_csv}: {len(us)} launches, expected 5 per config ({len(labels)} configs)")
+    by = collections.defaultdict(list)
+    for i, (name, c) in enumerate(labels):
+        by[name].append((statistics.median(us[5 * i + 2 : 5 * i + 5]), "default" if c is None else tuple(c)))
+    for name, v in by.items():
+        v.sort()
+        print(f"{name:<13}" + "  ".join(f"{c}: {t:.1f}" for t, c in v[:top]) + f"   (slowest {v[-1][0]:.1f})")
+    return {name: [(c, round(t, 2)) for t, c in v] for name, v in by.items()}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("labels", type=Path, nargs="?", help="where to write (run) or read (--summarize) the config list")
+    ap.add_argument("--summarize", type=Path, metavar="NCU_CSV", help="an ncu --csv log of a run of this script")
+    args = ap.parse_args()
+    if args.labels is None:
+        ap.error("name the labels file")
+    if args.summarize:
+        summarize(args.summarize, args.labels)
+    else:
+        run(args.labels)
