@@ -84,6 +84,22 @@ def test_rope_vs_formula(il, positions):
     np.testing.assert_allclose(got_inv, inv, atol=tol, rtol=0)
 
 
+def test_decode_rows_match_chunk_tables():
+    """Decode's one-position rows (Rope.row, resident blocks) equal the chunk tables at those positions, across a
+    block boundary; equal Ropes (two layers of a kind) share one pair of arrays, different Ropes do not."""
+    cfg = make_config()
+    rope, twin, other = Rope.for_layer(cfg, 2), Rope.for_layer(cfg, 2), Rope.for_layer(cfg, 0)
+    positions = [0, 255, 256, 1_000_000]
+    C, S = rope.tables(positions, 128)
+    for i, p in enumerate(positions):
+        c, s = rope.row(p, 128)
+        assert c.shape == s.shape == (1, 128)
+        np.testing.assert_array_equal(np.array(c)[0], np.array(C)[i])
+        np.testing.assert_array_equal(np.array(s)[0], np.array(S)[i])
+        assert rope.tables([p], 128)[0] is c and twin.row(p, 128)[0] is c and other.row(p, 128)[0] is not c
+    assert not np.array_equal(np.array(other.row(300, 128)[1]), np.array(rope.row(300, 128)[1]))
+
+
 def test_yarn_matters_at_large_positions():
     """A ramp bug must be visible: YaRN angles at p=50000 differ from plain interpolation by radians."""
     cfg = make_config()

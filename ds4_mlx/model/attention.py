@@ -310,7 +310,7 @@ class Attention:
         if pos != cache.pos:
             raise ValueError(f"layer {self.il}: cache holds {cache.pos} tokens, got a token at position {pos}")
         r = self.ratio
-        C, S = self.rope.tables([pos], self.head_dim)
+        C, S = self.rope.row(pos, self.head_dim)
         io: dict = {"C": C, "S": S}
         complete = bool(r) and (pos + 1) % r == 0
         n_vis = (pos + 1) // r if r else 0  # compressed rows visible to this token (after its own append)
@@ -325,7 +325,7 @@ class Attention:
             if complete:
                 cache.index = _reserve(cache.index, cache.n_index, cache.n_index + 1, mx.float32, cache.reserve_rows)
             if select:
-                io["Ci"], io["Si"] = self.rope.tables([pos], self.indexer.head_dim)
+                io["Ci"], io["Si"] = self.rope.row(pos, self.indexer.head_dim)
                 io["index_counts"] = kernel_counts(n_vis, self.indexer.top_k)
         # Keys of attend_one: the kept raw rows plus this token's, and the compressed rows attended.
         io["counts"] = kernel_counts(min(cache.n_raw, self.n_swa - 1) + 1, self.indexer.top_k if select else n_vis)

@@ -150,7 +150,7 @@ class Compressor:
         the window start, used when the token completes the window.
         """
         r, k = self.ratio, pos % self.ratio
-        C, S = self.rope.tables([pos + 1 - r] if pos + 1 >= r else [0], self.hd)
+        C, S = self.rope.row(max(pos + 1 - r, 0), self.hd)
         return {"at": index_array(k + (r if self.coff == 2 else 0)), "ape": self._ape_row[k], "C": C, "S": S}
 
     def decode(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -88,24 +88,37 @@ class Rope:
         ``S`` holds ``-sin`` on even and ``+sin`` on odd rope dims, so ``x*C + swap_pairs(x)*S`` rotates.
         Cached by (params, positions, head_dim): every layer of a kind reuses one table per step.
         """
-        key = (self, _positions_key(positions), head_dim)
+        p = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if p.size == 1:
+            return self.row(int(p[0]), head_dim)
+        key = (self, _positions_key(p), head_dim)
         hit = _TABLES.get(key)
         if hit is not None:
             _TABLES.move_to_end(key)
             return hit
-        p = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if p.size == 1:
-            # Decode: a row of a block of DECODE_BLOCK positions' tables, made once and kept on the device
-            # (``resident``), so a step brings no new host data to the GPU (angles are per position: same rows).
-            b, i = divmod(int(p[0]), DECODE_BLOCK)
-            C, S = self._block(b, head_dim)
-            out = (C[i : i + 1], S[i : i + 1])
-        else:
-            out = tuple(mx.array(t) for t in self._host_tables(p, head_dim))
-        _TABLES[key] = out
+        out = _TABLES[key] = tuple(mx.array(t) for t in self._host_tables(p, head_dim))
         if len(_TABLES) > _TABLES_MAX:
             _TABLES.popitem(last=False)
         return out
+
+    def row(self, pos: int, head_dim: int) -> tuple[mx.array, mx.array]:
+        """The tables of one position ``[1, head_dim]`` each (decode): a row of a block of DECODE_BLOCK
+        positions' tables, made once and kept on the device (``resident``), so a step brings no new host data
+        to the GPU. A decode step asks every layer for its rows: the lookup is keyed by small ints (a Rope
+        hashes all its fields), and equal Ropes share the rows."""
+        key = (self._id, pos, head_dim)
+        hit = _ROWS.get(key)
+        if hit is None:
+            if len(_ROWS) >= _ROWS_MAX:
+                _ROWS.clear()
+            b, i = divmod(pos, DECODE_BLOCK)
+            C, S = self._block(b, head_dim)
+            hit = _ROWS[key] = (C[i : i + 1], S[i : i + 1])
+        return hit
+
+    @cached_property
+    def _id(self) -> int:
+        return _ROPE_IDS.setdefault(self, len(_ROPE_IDS))
 
     @lru_cache(maxsize=32)
     def _block(self, block: int, head_dim: int) -> tuple[mx.array, mx.array]:
@@ -125,11 +138,13 @@ class Rope:
 
 _TABLES: "OrderedDict[tuple, tuple[mx.array, mx.array]]" = OrderedDict()
 _TABLES_MAX = 64
+_ROWS: dict[tuple[int, int, int], tuple[mx.array, mx.array]] = {}
+_ROWS_MAX = 4096
+_ROPE_IDS: dict["Rope", int] = {}
 DECODE_BLOCK = 256  # positions per decode table block
 
 
-def _positions_key(positions) -> tuple:
-    p = np.asarray(positions, dtype=np.int64).reshape(-1)
+def _positions_key(p: np.ndarray) -> tuple:
     if p.size > 1 and np.all(np.diff(p) == p[1] - p[0]):
         return ("range", int(p[0]), int(p[1] - p[0]), int(p.size))  # arithmetic progressions: O(1) key
     return ("list", p.tobytes())
