@@ -7,7 +7,8 @@ On the H200 a decode step is host-bound: every MLX op costs the host ~5-7 µs to
 (benchmarks/RESULTS.md). Both costs depend on the graph's structure, not on the widths, so they can be
 measured here: a narrow model with the real layer pattern (``--layers`` layers of ratios 0, 0, 4, 128, 4, ...)
 runs the GPU dispatch path with every custom-kernel launch replaced by a constant output of the right
-shape (the wrappers' Python still runs). Reported: Python time to build one step's graph, and the step's
+shape (the wrappers' Python still runs). Reported: Python time to build one step's graph, the arrays the
+kernel launches write and read (MLX's encode of a launch grows with both), and the step's
 op count split into kernel launches, compute ops and view ops (reshape, slice, broadcast, ...: no device work,
 but MLX still replays and encodes each one: the Nsight Systems timeline of benchmarks/timeline.py counted
 ~890 a step at the full shape, against 941 kernel launches).
@@ -88,9 +89,17 @@ class FakeKernels:
 
 
 def op_counts(outputs: list[mx.array]) -> collections.Counter:
+    """Graph nodes by primitive name, plus ``kernel outputs`` / ``kernel inputs``: the arrays the kernel launches
+    (``Depends`` stand-ins) write and read. MLX's encode of a launch grows with both (benchmarks/RESULTS.md)."""
     f = io.StringIO()
     mx.export_to_dot(f, *outputs)
-    return collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', f.getvalue()))
+    dot = f.getvalue()
+    counts = collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', dot))
+    launches = set(re.findall(r'(\d+) \[label ="Depends"', dot))
+    outs = sum(1 for a in re.findall(r'^(\d+) -> "', dot, re.M) if a in launches)
+    ins = sum(1 for b in re.findall(r'^"\w+" -> (\d+)$', dot, re.M) if b in launches)
+    counts["kernel outputs"], counts["kernel inputs"] = outs, ins - outs  # a stand-in also reads its zeros
+    return counts
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -133,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             mx.fast.rms_norm = rms_norm
         calls = counts.pop("Depends", 0)
+        k_out, k_in = counts.pop("kernel outputs"), counts.pop("kernel inputs")
         if args.profile:
             pr = cProfile.Profile()
             pr.enable()
@@ -144,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     compute = sum(counts.values()) - views
     res = {
         "layers": args.layers, "ctx": sess.pos, "compiled": not args.no_compile, "build_ms": float(np.median(ts)) * 1e3,
-        "kernel_launches": calls, "compute_ops": compute, "view_ops": views,
+        "kernel_launches": calls, "kernel_outputs": k_out, "kernel_inputs": k_in, "compute_ops": compute,
+        "view_ops": views,
         "launches_per_layer": (calls + compute) / args.layers,  # what the GPU runs (views run nothing there)
         "top_compute_ops": dict(collections.Counter({k: v for k, v in counts.items() if k not in VIEW_OPS}).most_common(12)),
     }

@@ -132,6 +132,8 @@ def test_decode_step_launch_budget():
     spec.loader.exec_module(gc)
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
     assert res["compiled"] and res["kernel_launches"] >= 6 * 16  # the custom kernels were on the path
+    # every launch writes at least one array and reads several (weights, activations, parameter blocks)
+    assert res["kernel_launches"] < res["kernel_outputs"] < 2 * res["kernel_launches"] < res["kernel_inputs"], res
     assert res["launches_per_layer"] <= 22.5, res
     assert res["view_ops"] <= 10 * 6, res
     res = gc.main(["--layers", "6", "--ctx", "67", "--reps", "2"])  # this step completes the ratio-4 windows
