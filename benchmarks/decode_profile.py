@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds4_mlx.model.model import Model, hc_post, hc_pre  # noqa: E402
 from ds4_mlx.random_model import random_weights, shape_config  # noqa: E402
 from ds4_mlx.session import Session  # noqa: E402
-from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend  # noqa: E402
+from ds4_mlx.weights import _kernels, kernel_backend  # noqa: E402
 
 
 def chain_us(step, x0: mx.array, reps: int) -> float:
@@ -108,7 +108,7 @@ SWEEP_CONFIGS = [None, (4, 2, 1), (4, 4, 1), (4, 4, 4), (2, 4, 4), (1, 4, 4), (2
 def sweep(reps: int = 50) -> list[dict]:
     from gguf import GGMLQuantizationType as QT
 
-    from ds4_mlx.random_model import random_block_bytes
+    from ds4_mlx.random_model import random_quant_weight
 
     K = _kernels()
     backend = kernel_backend()
@@ -118,9 +118,7 @@ def sweep(reps: int = 50) -> list[dict]:
         n_copies = max(2, int(4.8e8 // (np.prod(shape) * (1 if qt != QT.F16 else 2))))  # beat the 60 MB L2
         ws = []
         for _ in range(n_copies):
-            data = (mx.random.normal(shape) * 0.02).astype(mx.float16) if qt == QT.F16 else \
-                random_block_bytes(qt, shape, 0.02)
-            ws.append(QuantWeight(data, qt, shape))
+            ws.append(random_quant_weight(qt, shape, 0.02))
             mx.eval(ws[-1].data)
         x = mx.random.normal((pairs if pairs == 8 else 1, shape[-1]))
         ids = mx.array(np.arange(8) if pairs == 8 else np.zeros(pairs), dtype=mx.int32) if pairs else None

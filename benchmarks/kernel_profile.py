@@ -65,14 +65,13 @@ def run_mv() -> None:
     """One launch of every decode matvec shape (benchmarks/decode_profile.py's list), for ncu's full sections."""
     from gguf import GGMLQuantizationType as QT
 
-    from ds4_mlx.random_model import random_block_bytes
-    from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend
+    from ds4_mlx.random_model import random_quant_weight
+    from ds4_mlx.weights import _kernels, kernel_backend
 
     K, backend = _kernels(), kernel_backend()
     for label, qname, shape, pairs in mv_shapes():
         qt = QT[qname]
-        data = (mx.random.normal(shape) * 0.02).astype(mx.float16) if qt == QT.F16 else random_block_bytes(qt, shape, 0.02)
-        w = QuantWeight(data, qt, shape)
+        w = random_quant_weight(qt, shape, 0.02)
         x = mx.random.normal((pairs if pairs == 8 else 1, shape[-1]))
         ids = mx.array(np.arange(8) if pairs == 8 else [3, 17, 40, 99, 180, 250][:pairs], dtype=mx.int32) if pairs else None
         mx.eval(w.data, x)

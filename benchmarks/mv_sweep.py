@@ -8,7 +8,7 @@ The launches are the full-shape decode step's (one token): q_b and q_a+kv with t
 the grouped out_a, the ratio-4 layers' stacked F16 projections and the indexer's q_b, and the routed experts'
 two launches with and without the shared expert inside (``mv`` ``shared``). Each config of each launch runs
 twice unmeasured (JIT, caches), then three times; ``--summarize`` takes the median of the three per config and
-prints the fastest configs per launch, next to the one the dispatcher picks (``kernels.mv_config``). Configs
+prints the fastest configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``). Configs
 whose staged rows would not fit CUDA's 48 KB of static shared memory are skipped. ``BUDGET`` (seconds, default
 300) stops starting new configs, so a device call's limit cuts the sweep at a config boundary.
 """
@@ -27,15 +27,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# stage bytes per row and span of each type (mv.body DS_SPAN_OF), for the shared-memory bound
-SPAN = {"Q8_0": 1088, "Q2_K": 336, "IQ2_XXS": 264, "F16": 2048}
 PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv rms", "out_b", "out_a g8",
             "f16 r4 stack", "idx q_b f16"]
 
 
 def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
-    """(NR, NSG, KS) candidates whose double-buffered stage (2 x NSG x NR x nw rows x the span pitch) fits."""
-    pitch = max(SPAN[qt], SPAN.get(shared, 0))
+    """(NR, NSG, KS) candidates whose double-buffered stage (2 x NSG x NR x nw rows x the span pitch) fits.
+    A span is 32 units of 32 weights (mv.body); the pitch is the wider of the launch's two types."""
+    from gguf import GGMLQuantizationType as QT
+
+    from ds4_mlx.quants import row_bytes
+
+    pitch = max(row_bytes(QT[t], 1024) for t in (qt, shared or qt))
     out = []
     for nr, nsg in itertools.product(nrs, nsgs):
         for ks in kss or sorted({1, max(1, nsg // 2), nsg}):
@@ -49,15 +52,13 @@ def cases():
     import mlx.core as mx
     from gguf import GGMLQuantizationType as QT
 
-    from ds4_mlx.random_model import random_block_bytes
-    from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend
+    from ds4_mlx.random_model import random_quant_weight
+    from ds4_mlx.weights import _kernels, kernel_backend
 
     K, b = _kernels(), kernel_backend()
 
     def weight(qt: str, shape):
-        t = QT[qt]
-        data = (mx.random.normal(shape) * 0.02).astype(mx.float16) if t == QT.F16 else random_block_bytes(t, shape, 0.02)
-        w = QuantWeight(data, t, shape)
+        w = random_quant_weight(QT[qt], shape, 0.02)
         mx.eval(w.data)
         return w
 
@@ -130,11 +131,9 @@ def summarize(ncu_csv: Path, labels_path: Path, top: int = 6) -> dict:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("labels", type=Path, nargs="?", help="where to write (run) or read (--summarize) the config list")
+    ap.add_argument("labels", type=Path, help="where to write (run) or read (--summarize) the config list")
     ap.add_argument("--summarize", type=Path, metavar="NCU_CSV", help="an ncu --csv log of a run of this script")
     args = ap.parse_args()
-    if args.labels is None:
-        ap.error("name the labels file")
     if args.summarize:
         summarize(args.summarize, args.labels)
     else:

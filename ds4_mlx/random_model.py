@@ -57,6 +57,13 @@ def random_dense(shape: tuple[int, ...], std: float, dtype) -> mx.array:
     return (std * mx.random.normal(shape)).astype(dtype)
 
 
+def random_quant_weight(qtype: T, shape: tuple[int, ...], std: float) -> QuantWeight:
+    """A random weight of ``qtype`` (Gaussian F16/F32, or random valid blocks) with values of std ≈ ``std``."""
+    if qtype in (T.F16, T.F32):
+        return QuantWeight(random_dense(shape, std, mx.float16 if qtype == T.F16 else mx.float32), qtype, shape)
+    return QuantWeight(random_block_bytes(qtype, shape, std), qtype, shape)
+
+
 def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict:
     """``{gguf name: QuantWeight | mx.array}`` for every tensor of the layout, random, in device memory.
 
@@ -79,11 +86,7 @@ def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict
         if len(shape) == 1:
             out[name] = mx.random.uniform(a, b, shape) if dist == "uniform" else a + b * mx.random.normal(shape)
         else:
-            if qtype in (T.F16, T.F32):
-                data = random_dense(shape, b, mx.float16 if qtype == T.F16 else mx.float32)
-            else:
-                data = random_block_bytes(qtype, shape, b)
-            out[name] = QuantWeight(data, qtype, shape)
+            out[name] = random_quant_weight(qtype, shape, b)
         try:
             mx.eval(out[name].data if isinstance(out[name], QuantWeight) else out[name])
         except RuntimeError as e:
