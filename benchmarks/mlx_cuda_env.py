@@ -32,6 +32,7 @@ SETTINGS = {
     "no cuda graphs": {"MLX_USE_CUDA_GRAPHS": "0"},
     "100 ops/graph": {"MLX_MAX_OPS_PER_BUFFER": "100"},
     "no MB cap": {"MLX_MAX_MB_PER_BUFFER": "1000000"},
+    "no MB cap, 50 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "50"},
     "no MB cap, 100 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "100"},
     "no MB cap, 250 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "250"},
     "no MB cap, 1000 ops/graph": {"MLX_MAX_MB_PER_BUFFER": "1000000", "MLX_MAX_OPS_PER_BUFFER": "1000"},
@@ -58,7 +59,8 @@ def run_child(args: argparse.Namespace, env: dict[str, str] | None = None, tree:
         if r.returncode or not out.exists():
             return {"error": r.stderr[-600:]}
         res = json.loads(out.read_text())
-    keys = ("decode_ms", "decode_lag2_ms", "decode_sync_ms", "decode_host_split_ms", "floor_ratio", "prefill_tok_s")
+    keys = ("decode_ms", "decode_lag2_ms", "decode_sync_ms", "decode_host_split_ms", "decode_lag2_host_split_ms",
+            "floor_ratio", "prefill_tok_s")
     return {k: res[k] for k in keys if k in res}  # an older tree's model.py may not report every figure
 
 

@@ -1,14 +1,16 @@
-"""Device time of the model's own decode matvec launches under several (NR, NSG, KS) configs, under Nsight Compute.
+"""Device time of the model's own decode matvec launches under several (NR, NSG, KS[, SB]) configs, under Nsight Compute.
 
     ncu --clock-control none --kernel-name regex:ds_mv --metrics gpu__time_duration.sum --csv \
         python benchmarks/mv_sweep.py labels.json > ncu.csv        # on the GPU (CUDA only)
     python benchmarks/mv_sweep.py --summarize ncu.csv labels.json  # anywhere
+    ncu --set full python benchmarks/mv_sweep.py labels.json --default --only q_b out_b  # why a launch is slow
 
 The launches are the full-shape decode step's (one token): q_b and q_a+kv with the RMSNorm prologue, out_b,
 the grouped out_a, the ratio-4 layers' stacked F16 projections and the indexer's q_b, and the routed experts'
 two launches with and without the shared expert inside (``mv`` ``shared``). Each config of each launch runs
 twice unmeasured (JIT, caches), then three times; ``--summarize`` takes the median of the three per config and
-prints the fastest configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``). Configs
+prints the fastest configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``; SB, the
+stage buffers, is ``kernels.mv_stage_buffers``'s unless a ``--config`` names it). Configs
 whose staged rows would not fit CUDA's 48 KB of static shared memory are skipped. ``BUDGET`` (seconds, default
 300) stops starting new configs, so a device call's limit cuts the sweep at a config boundary.
 """
@@ -47,8 +49,10 @@ def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs
     return out
 
 
-def cases():
-    """[(launch name, config, call)] at the full V4 Flash shape, random weights and activations on the device."""
+def cases(only: list[str] | None = None, default: bool = False, given: list[tuple] | None = None):
+    """[(launch name, config, call)] at the full V4 Flash shape, random weights and activations on the device:
+    the launches named in ``only`` (all by default), each at its dispatcher's config only with ``default``, or
+    at the ``given`` configs ((NR, NSG, KS[, SB]) tuples) instead of the sweep's."""
     import mlx.core as mx
     from gguf import GGMLQuantizationType as QT
 
@@ -88,16 +92,17 @@ def cases():
          lambda c: K.mv(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c)),
         ("down", configs("Q2_K", nsgs=(1, 2, 4), ks_max=2), lambda c: K.mv(down, mid6, b, **moe, epi=K.MV_SUM, config=c)),
     ]
+    plans = [(name, [None] if default else given or cs, f) for name, cs, f in plans if not only or name in only]
     out = [(name, c, (lambda f=f, c=c: f(c))) for name, cs, f in plans for c in cs]
     return sorted(out, key=lambda t: (PRIORITY.index(t[0]), t[1] is not None))
 
 
-def run(labels_path: Path) -> None:
+def run(labels_path: Path, only: list[str] | None = None, default: bool = False, given: list[tuple] | None = None) -> None:
     import mlx.core as mx
 
     budget, t0 = float(os.environ.get("BUDGET", "300")), time.time()
     labels = []
-    for name, c, call in cases():
+    for name, c, call in cases(only, default, given):
         if time.time() - t0 > budget:
             print("budget reached", flush=True)
             break
@@ -133,8 +138,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("labels", type=Path, help="where to write (run) or read (--summarize) the config list")
     ap.add_argument("--summarize", type=Path, metavar="NCU_CSV", help="an ncu --csv log of a run of this script")
+    ap.add_argument("--only", nargs="+", choices=PRIORITY, help="these launches only")
+    ap.add_argument("--default", action="store_true",
+                    help="each launch at the dispatcher's config only (e.g. for ncu --set full: stall reasons)")
+    ap.add_argument("--config", action="append", type=lambda s: tuple(int(v) for v in s.split(",")),
+                    metavar="NR,NSG,KS[,SB]", help="run these configs instead of the sweep's (repeatable)")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize, args.labels)
     else:
-        run(args.labels)
+        run(args.labels, args.only, args.default, args.config)
