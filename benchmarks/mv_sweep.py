@@ -38,9 +38,10 @@ def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs
     A span is 32 units of 32 weights (mv.body); the pitch is the wider of the launch's two types."""
     from gguf import GGMLQuantizationType as QT
 
+    from ds4_mlx.kernels import MV_SPAN
     from ds4_mlx.quants import row_bytes
 
-    pitch = max(row_bytes(QT[t], 1024) for t in (qt, shared or qt))
+    pitch = max(row_bytes(QT[t], MV_SPAN) for t in (qt, shared or qt))
     out = []
     for nr, nsg in itertools.product(nrs, nsgs):
         for ks in kss or sorted({1, max(1, nsg // 2), nsg}):

@@ -48,10 +48,12 @@ MV_CONFIG = {
     QT.BF16: (4, 2),
     QT.F32: (1, 4),
 }
+#: Weights of a row that a simdgroup stages at a time (mv.body: a span of 32 units of 32 weights).
+MV_SPAN = 1024
 #: Rows of at most this many weights are one span per simdgroup, so the activation loads (and an RMSNorm
 #: prologue's) are a large part of the launch: twice the rows per simdgroup and half the simdgroups (the same
 #: staged bytes), where NSG >= 4. Q8_0 q_b (32768 x 1024) with its RMSNorm prologue: 34.4 -> 27.7 µs.
-MV_SHORT_K = 1024
+MV_SHORT_K = MV_SPAN
 #: Split K across simdgroups when the launch has few threadgroups (all output rows counted): all NSG of them
 #: below MV_KSPLIT_ALL threadgroups, two below MV_KSPLIT_BELOW (out_b 4096 x 8192: KS 4 25.8 µs, KS 2
 #: 22.8; the routed down sum, 512 threadgroups: KS 1 40.3, KS 2 36.1), none above (the routed SwiGLU launch,
@@ -261,9 +263,9 @@ def mv_config(qtype: QT, n_out: int, n_rows: int, epi: int = MV_PLAIN, n_in: int
 
 
 def mv_stage_buffers(n_in: int, ks: int) -> int:
-    """mv.body ``SB``: one stage buffer where each simdgroup walks a single span of K (``n_in`` <= 1024·KS: no next
-    span to prefetch), so twice the threadgroups fit an SM; else two (double-buffered copies)."""
-    return 1 if n_in <= 32 * 32 * ks else 2
+    """mv.body ``SB``: one stage buffer where each simdgroup walks a single span of K (``n_in`` <= MV_SPAN·KS: no
+    next span to prefetch), so twice the threadgroups fit an SM; else two (double-buffered copies)."""
+    return 1 if n_in <= MV_SPAN * ks else 2
 
 
 def mv_launch_shapes(qtype: QT, epi: int) -> list[tuple[int, int, int]]:
