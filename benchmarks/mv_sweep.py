@@ -1,4 +1,4 @@
-"""Device time of the model's own decode matvec launches under several (NR, NSG, KS[, SB]) configs, under Nsight Compute.
+"""Device time of the model's own decode matvec launches under several (NR, NSG, KS) configs, under Nsight Compute.
 
     ncu --clock-control none --kernel-name regex:ds_mv --metrics gpu__time_duration.sum --csv \
         python benchmarks/mv_sweep.py labels.json > ncu.csv        # on the GPU (CUDA only)
@@ -9,8 +9,7 @@ The launches are the full-shape decode step's (one token): q_b and q_a+kv with t
 the grouped out_a, the ratio-4 layers' stacked F16 projections and the indexer's q_b, and the routed experts'
 two launches with and without the shared expert inside (``mv`` ``shared``). Each config of each launch runs
 twice unmeasured (JIT, caches), then three times; ``--summarize`` takes the median of the three per config and
-prints the fastest configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``; SB, the
-stage buffers, is ``kernels.mv_stage_buffers``'s unless a ``--config`` names it). Configs
+prints the fastest configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``). Configs
 whose staged rows would not fit CUDA's 48 KB of static shared memory are skipped. ``BUDGET`` (seconds, default
 300) stops starting new configs, so a device call's limit cuts the sweep at a config boundary.
 """
@@ -53,7 +52,7 @@ def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs
 def cases(only: list[str] | None = None, default: bool = False, given: list[tuple] | None = None):
     """[(launch name, config, call)] at the full V4 Flash shape, random weights and activations on the device:
     the launches named in ``only`` (all by default), each at its dispatcher's config only with ``default``, or
-    at the ``given`` configs ((NR, NSG, KS[, SB]) tuples) instead of the sweep's."""
+    at the ``given`` configs ((NR, NSG, KS) tuples) instead of the sweep's."""
     import mlx.core as mx
     from gguf import GGMLQuantizationType as QT
 
@@ -143,7 +142,7 @@ if __name__ == "__main__":
     ap.add_argument("--default", action="store_true",
                     help="each launch at the dispatcher's config only (e.g. for ncu --set full: stall reasons)")
     ap.add_argument("--config", action="append", type=lambda s: tuple(int(v) for v in s.split(",")),
-                    metavar="NR,NSG,KS[,SB]", help="run these configs instead of the sweep's (repeatable)")
+                    metavar="NR,NSG,KS", help="run these configs instead of the sweep's (repeatable)")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize, args.labels)

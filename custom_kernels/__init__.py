@@ -20,7 +20,6 @@ Kernels:
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -262,12 +261,6 @@ def mv_config(qtype: QT, n_out: int, n_rows: int, epi: int = MV_PLAIN, n_in: int
     return nr, nsg, ks
 
 
-def mv_stage_buffers(n_in: int, ks: int) -> int:
-    """mv.body ``SB``: one stage buffer where each simdgroup walks a single span of K (``n_in`` <= MV_SPAN·KS: no
-    next span to prefetch), so twice the threadgroups fit an SM; else two (double-buffered copies)."""
-    return 1 if n_in <= MV_SPAN * ks else 2
-
-
 def mv_launch_shapes(qtype: QT, epi: int) -> list[tuple[int, int, int]]:
     """Every (NR, NSG, KS) :func:`mv_config` can pick for a type and epilogue (the compile-check matrix)."""
     shapes = {mv_config(qtype, 1, 1, epi)[:2], mv_config(qtype, 1, 1, epi, MV_SHORT_K)[:2]}
@@ -275,12 +268,11 @@ def mv_launch_shapes(qtype: QT, epi: int) -> list[tuple[int, int, int]]:
 
 
 def mv_template(
-    qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN, shared_qt: QT | None = None, sb: int = 2
+    qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN, shared_qt: QT | None = None
 ) -> tuple:
-    """``shared_qt``: the type of the shared expert's weight read by the same launch (mv.body ``SH``); ``sb`` the
-    stage buffers (:func:`mv_stage_buffers`)."""
+    """``shared_qt``: the type of the shared expert's weight read by the same launch (mv.body ``SH``)."""
     return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks), ("EPI", epi),
-            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)), ("SB", sb))
+            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)))
 
 
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
@@ -296,10 +288,10 @@ def instantiations() -> list[Instantiation]:
                 if ((epi == MV_SUM and not gather) or (epi == MV_RMS and gather)
                         or (epi == MV_SWIGLU and qt not in MV_SWIGLU_TYPES)):  # fmt: skip
                     continue
-                for (nr, nsg, ks), sb in itertools.product(mv_launch_shapes(qt, epi), (1, 2)):
-                    out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, sb=sb)))
+                for nr, nsg, ks in mv_launch_shapes(qt, epi):
+                    out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi)))
                     if gather and epi in (MV_SWIGLU, MV_SUM) and qt in MV_SHARED_ROUTED:  # MoE + shared expert
-                        out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, MV_SHARED_TYPE, sb)))
+                        out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, MV_SHARED_TYPE)))
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
     return out
@@ -380,7 +372,7 @@ def supports(qw) -> bool:
 
 def mv(
     qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
-    config: tuple[int, ...] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
+    config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
     clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
@@ -392,8 +384,7 @@ def mv(
     and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
     ``MV_SUM`` (gathered) returns ``[P/k, out]``, each token's k products summed, plus ``aux`` if given;
     ``MV_RMS`` (dense) returns ``W @ rms_norm(x, aux, clamp)``: ``aux [in]`` is the norm weight, ``clamp`` eps.
-    ``config`` overrides the launch's ``(NR, NSG, KS)`` or ``(NR, NSG, KS, SB)`` (benchmarks sweep it; KS must
-    divide NSG).
+    ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG).
 
     ``shared`` (gathered ``MV_SWIGLU`` / ``MV_SUM``): the shared expert in the same launch, T = P/k tokens.
     SwiGLU: ``shared`` holds its gate rows then its up rows (``[2·out, in]``) and the result is ``[P + T, out]``,
@@ -447,17 +438,16 @@ def _mv_plan(
     *_, n_out, n_in = qw.shape
     wb = weight_bytes(qw)
     rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared_qt is not None else 0)  # of y
-    nr, nsg, ks, *sb = config or mv_config(qw.qtype, n_out, rows, epi, n_in)
+    nr, nsg, ks = config or mv_config(qw.qtype, n_out, rows, epi, n_in)
     if nsg % ks:
         raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")
-    sb = sb[0] if sb else mv_stage_buffers(n_in, ks)
     if epi == MV_SUM and (not gather or P % k_slots):
         raise ValueError("mv: the sum epilogue needs a gathered launch of whole tokens")
     per_slot = int(gather and n_x == P and k_slots > 1)
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux))
     groups = -(-n_out // (nr * nsg // ks))
-    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt, sb))
+    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt))
     return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 

@@ -114,7 +114,7 @@ DS_FN float ds_dot32(int qt, const DS_TG uint8_t* row, uint32_t u, const DS_THR 
 // weight's at wb + off_b), rb bytes apart, staged SPAN bytes apart; acc[NR·NW] gathers each row's dot with
 // x = xr (EPI 3: x·nw, its Σx² into ssq). A function of the type, so one launch can read two types (the
 // routed experts and the shared expert, mv.body SH).
-template <int QX, int NR, int NW, int KS, int EPI, int SPAN, bool DB>
+template <int QX, int NR, int NW, int KS, int EPI, int SPAN>
 DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint64_t off,
                        uint64_t off_b, uint32_t rb, uint32_t nrows, uint32_t n_units, uint32_t kpart, uint32_t lane,
                        const DS_DEV float* xr, const DS_DEV float* nw, DS_THR float* acc, DS_THR float& ssq,
@@ -148,13 +148,9 @@ DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_
         xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
       }
     }
-    if (DB && un < n_units) DS_MV_STAGE(un, buf ^ 1u);  // into the other buffer, during this span
+    if (DS_ASYNC_COPIES && un < n_units) DS_MV_STAGE(un, buf ^ 1u);  // into the other buffer, during this span
     DS_ASYNC_COMMIT();
-    if (DB) {
-      DS_ASYNC_WAIT_PREV();  // this span's copy has landed (the next one may still be in flight)
-    } else {
-      DS_ASYNC_WAIT_ALL();  // one buffer: its (re)fill is the newest copy
-    }
+    DS_ASYNC_WAIT_PREV();  // this span's copy has landed (the next one may still be in flight)
     DS_SIMD_BARRIER_TG();
     if (lane < nu) {
       const DS_TG uint8_t* cur = stage + buf * NRW * SPAN;
@@ -169,10 +165,10 @@ DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_
       }
     }
     DS_SIMD_BARRIER_TG();  // before this buffer is refilled
-    if (DB) {
+    if (DS_ASYNC_COPIES) {
       buf ^= 1u;
     } else if (un < n_units) {
-      DS_MV_STAGE(un, 0u);  // one buffer: refill it after computing
+      DS_MV_STAGE(un, 0u);  // synchronous copies: refill the one buffer after computing
       DS_SIMD_BARRIER_TG();
     }
   }
