@@ -59,7 +59,7 @@ def run_child(args: argparse.Namespace, env: dict[str, str] | None = None, tree:
         if r.returncode or not out.exists():
             return {"error": r.stderr[-600:]}
         res = json.loads(out.read_text())
-    keys = ("decode_ms", "decode_lag2_ms", "decode_sync_ms", "decode_host_split_ms", "decode_lag2_host_split_ms",
+    keys = ("decode_ms", "decode_lag2_ms", "decode_generate_ms", "decode_sync_ms", "decode_host_split_ms", "decode_lag2_host_split_ms",
             "floor_ratio", "prefill_tok_s")
     return {k: res[k] for k in keys if k in res}  # an older tree's model.py may not report every figure
 
@@ -76,16 +76,19 @@ def round_robin(runs: dict[str, Callable[[], dict]], rounds: int) -> dict:
     for name, rs in results.items():
         ms = [r["decode_ms"] for r in rs if "decode_ms" in r]
         ms2 = [r["decode_lag2_ms"] for r in rs if "decode_lag2_ms" in r]
+        gen = [r["decode_generate_ms"] for r in rs if "decode_generate_ms" in r]
         summary[name] = {"decode_ms": float(np.median(ms)) if ms else None,
-                         "decode_lag2_ms": float(np.median(ms2)) if ms2 else None, "runs": rs}
+                         "decode_lag2_ms": float(np.median(ms2)) if ms2 else None,
+                         "decode_generate_ms": float(np.median(gen)) if gen else None, "runs": rs}
     first = next(iter(summary))
     base = summary[first]["decode_ms"]
     for name, v in summary.items():
         ms = v["decode_ms"]
         ratio = f"{base / ms:.2f}x vs {first}" if ms and base else "failed"
-        lag2 = v["decode_lag2_ms"]
+        lag2, gen = v["decode_lag2_ms"], v["decode_generate_ms"]
         print(f"{name:28s} median pipelined decode {ms or float('nan'):7.2f} ms/token  {ratio}"
-              + (f"  (tokens read 2 steps late: {lag2:.2f})" if lag2 else ""))
+              + (f"  (tokens read 2 steps late: {lag2:.2f})" if lag2 else "")
+              + (f"  (generation loop: {gen:.2f})" if gen else ""))
     return summary
 
 

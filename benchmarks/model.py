@@ -8,6 +8,10 @@ numbers; at the full shape that is ~87 GB of weights.
     python benchmarks/model.py --shape full            # 43 layers, 4096 wide, 256 experts (H200)
     python benchmarks/model.py --shape tiny            # the MODEL.md §9 test shape (CPU ok)
 
+Decode is timed four ways from the same state: synchronous steps, token ids read back one or two steps late
+(greedy, argmax on the device), and the package's own generation loop (``generate.decode_tokens``: ds4's
+default sampler on the device, two steps queued), which is what ``ds4-mlx generate`` runs.
+
 The floor is (bytes one decoded token reads, ``layout.decode_bytes_per_token``) / (copy bandwidth
 measured in the same run, bytes read + written per second). The per-component breakdown times each
 component alone over all layers at the decode position (attention incl. compressor/indexer, MoE incl.
@@ -27,10 +31,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ds4_mlx.generate import DEFAULT_LAG, decode_tokens  # noqa: E402
 from ds4_mlx.layout import EXPERT_VARIANTS, decode_bytes_per_token  # noqa: E402
 from ds4_mlx.model.model import Model, hc_post, hc_pre  # noqa: E402  (the HC functions the model uses)
 from ds4_mlx.session import STATE_EVAL_EVERY, Session  # noqa: E402
 from ds4_mlx.random_model import random_weights, shape_config  # noqa: E402
+from ds4_mlx.sampling import DEFAULT_PARAMS, Sampler  # noqa: E402
 from ds4_mlx.weights import kernel_backend  # noqa: E402
 
 def tensor_bytes(weights: dict) -> dict[str, int]:
@@ -138,6 +144,19 @@ def decode_seconds(sess: Session, n: int, pipelined: bool, lag: int = 1) -> tupl
     return total / n, {k: v / n * 1e3 for k, v in spent.items()}
 
 
+def generate_seconds(sess: Session, n: int) -> float:
+    """Mean seconds per token of ``n`` decode steps through the package's own generation loop
+    (``generate.decode_tokens``: ds4's default sampler on the device, ``DEFAULT_LAG`` steps queued, the steps
+    queued past the end rewound), from the session's state, which is restored afterwards."""
+    start = sess.snapshot()
+    t0 = time.perf_counter()
+    for _ in decode_tokens(sess, Sampler(DEFAULT_PARAMS, seed=0), n + 1):  # n + 1 ids, n steps
+        pass
+    t = time.perf_counter() - t0
+    sess.restore(start)
+    return t / n
+
+
 def graph_build_seconds(model: Model, sess: Session, reps: int) -> float:
     """Median Python time to build one decode step's graph (no evaluation), on copies of the state."""
     tok, ctx, builds = int(sess.tokens[-1]), sess.pos, []
@@ -208,10 +227,12 @@ def main(argv: list[str] | None = None) -> dict:
     start = sess.snapshot()
     decode_seconds(sess, max(max(cfg.compress_ratios), STATE_EVAL_EVERY) + 1, pipelined=False)
     sess.restore(start)
+    generate_seconds(sess, 4)  # the sampler kernel's JIT (NVRTC on CUDA) must not be timed either
     t_decode_sync, _ = decode_seconds(sess, n_decode, pipelined=False)
     t_decode, split = decode_seconds(sess, n_decode, pipelined=True)
     ctx = sess.pos
-    t_decode2, split2 = decode_seconds(sess, n_decode, pipelined=True, lag=2)  # from ctx on
+    t_gen = generate_seconds(sess, n_decode)  # from ctx on, then back to ctx
+    t_decode2, split2 = decode_seconds(sess, n_decode, pipelined=True, lag=2)
     assert bool(mx.all(mx.isfinite(sess.logits)).item()), "non-finite logits"
     t_decode_ops = t_build = None
     if not args.quick:
@@ -231,11 +252,11 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": args.shape, "experts": args.experts, "device": str(mx.default_device()),
         "kernels": kernel_backend(), "prefill_tokens": n_prefill, "chunk": args.chunk,
         "prefill_tok_s": n_prefill / t_prefill, "decode_ms": t_decode * 1e3, "decode_sync_ms": t_decode_sync * 1e3,
-        "decode_lag2_ms": t_decode2 * 1e3, "decode_lag2_host_split_ms": split2,
+        "decode_lag2_ms": t_decode2 * 1e3, "decode_lag2_host_split_ms": split2, "decode_generate_ms": t_gen * 1e3,
         "decode_uncompiled_ms": t_decode_ops and t_decode_ops * 1e3, "decode_ctx": ctx,
         "decode_graph_build_ms": t_build and t_build * 1e3, "decode_host_split_ms": split,
         "copy_bw_GBs": bw / 1e9, "bytes_per_token": total_bytes, "floor_ms": floor * 1e3,
-        "floor_ratio": floor / t_decode, "floor_ratio_lag2": floor / t_decode2,
+        "floor_ratio": floor / t_decode, "floor_ratio_lag2": floor / t_decode2, "floor_ratio_generate": floor / t_gen,
         "components_ms": {k: v * 1e3 for k, v in comps.items()},
         "components_floor_ms": {k: sum(floor_bytes.get(c, 0) for c in cs) / bw * 1e3 for k, cs in FLOOR_GROUPS.items()},
         "kv_bytes": sess.kv_bytes, "peak_memory_GB": mx.get_peak_memory() / 1e9,
@@ -252,6 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"         tokens read back 2 steps late: {res['decode_lag2_ms']:.2f} ms/token "
           f"({100 * res['floor_ratio_lag2']:.1f}% of the floor); host: "
           + ", ".join(f"{k} {v:.2f} ms" for k, v in split2.items()))
+    print(f"         generation loop (ds4's default sampler on the device, {DEFAULT_LAG} steps queued): "
+          f"{res['decode_generate_ms']:.2f} ms/token ({100 * res['floor_ratio_generate']:.1f}% of the floor)")
     print(f"floor:   {total_bytes / 1e9:.3f} GB/token / {bw / 1e9:.0f} GB/s copy bandwidth = {res['floor_ms']:.2f} ms"
           f"  -> decode at {100 * res['floor_ratio']:.1f}% of the floor")
     if comps:

@@ -7,7 +7,10 @@ with the token ids fed lazily (mlx-lm style), reading token k back after buildin
 ``lag1`` (what benchmarks/model.py headlines), ``lag1+3ms`` / ``lag1+6ms`` (the host made slower by a sleep per
 step), ``lag2`` and ``nowait`` (read back only at the end). If the host were the only limit, a sleep would add its
 whole length to the step and a deeper queue would change nothing; if the device were, the sleep would vanish
-into the host's wait. Reported per variant: ms/token and the host's ms/token spent waiting for a token.
+into the host's wait. Then what the package's generation loop adds to ``lag2``: ids drawn by ds4's default
+sampler on the device (``lag2 sampler``), a session snapshot per queued step (``lag2 snapshots``, the rewind
+points), both, and ``decode_tokens`` itself. Reported per variant: ms/token and the host's ms/token spent
+waiting for a token (not split out for ``decode_tokens``).
 """
 
 from __future__ import annotations
@@ -24,19 +27,35 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import model as bench  # noqa: E402  (benchmarks/model.py: the shapes, weights and warm-up it times with)
+from ds4_mlx.generate import decode_tokens  # noqa: E402
+from ds4_mlx.sampling import DEFAULT_PARAMS, Sampler  # noqa: E402
 from ds4_mlx.session import STATE_EVAL_EVERY, Session  # noqa: E402
 
 VARIANTS = {"lag1": dict(lag=1), "lag1+3ms": dict(lag=1, delay=0.003), "lag1+6ms": dict(lag=1, delay=0.006),
-            "lag2": dict(lag=2), "nowait": dict(lag=None)}
+            "lag2": dict(lag=2), "nowait": dict(lag=None),
+            "lag2 sampler": dict(lag=2, sampler=True), "lag2 snapshots": dict(lag=2, snapshots=True),
+            "lag2 sampler+snapshots": dict(lag=2, sampler=True, snapshots=True), "decode_tokens": dict(lag=2, loop=True)}
 
 
-def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0) -> tuple[float, float]:
-    """(ms/token, wait ms/token) of ``n`` steps from ``start``; ``lag=None`` reads tokens back only at the end."""
+def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampler: bool = False,
+        snapshots: bool = False, loop: bool = False) -> tuple[float, float]:
+    """(ms/token, wait ms/token) of ``n`` steps from ``start``; ``lag=None`` reads tokens back only at the end.
+    ``sampler``: ids drawn by ds4's default sampler on the device instead of argmax; ``snapshots``: a session
+    snapshot kept for each of the last ``lag`` steps (``decode_tokens``' rewind points); ``loop``: the package's
+    own loop (``generate.decode_tokens``: both, in a generator)."""
     sess.restore(start)
-    toks = [mx.argmax(sess.logits)]
+    if loop:
+        t0 = time.perf_counter()
+        for _ in decode_tokens(sess, Sampler(DEFAULT_PARAMS, seed=0), n + 1, lag=lag):
+            pass
+        return (time.perf_counter() - t0) / n * 1e3, float("nan")
+    pick = Sampler(DEFAULT_PARAMS, seed=0).draw if sampler else mx.argmax
+    toks, snaps = [pick(sess.logits)], []
     wait, t0 = 0.0, time.perf_counter()
     for _ in range(n):
-        toks.append(mx.argmax(sess.step(toks[-1])))
+        if snapshots:
+            snaps = (snaps + [sess.snapshot(wait=False)])[-lag:]
+        toks.append(pick(sess.step(toks[-1])))
         if delay:
             time.sleep(delay)
         if lag is not None and len(toks) > lag:
@@ -55,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--only", nargs="+", choices=tuple(VARIANTS), default=None, help="these variants only")
     args = ap.parse_args(argv)
 
     cfg = bench.shape_config(args.shape, args.layers)
@@ -65,12 +85,15 @@ def main(argv: list[str] | None = None) -> dict:
     sess.prefill(prompt)
     start = sess.snapshot()
     bench.decode_seconds(sess, max(max(cfg.compress_ratios), STATE_EVAL_EVERY) + 1, pipelined=False)  # warm-up
+    bench.generate_seconds(sess, 4)  # and the sampler's kernel
     res: dict[str, list] = {}
     for rnd in range(args.rounds):
         for name, kw in VARIANTS.items():
+            if args.only and name not in args.only:
+                continue
             ms, wait = run(sess, start, args.decode, **kw)
             res.setdefault(name, []).append((round(ms, 2), round(wait, 2)))
-            print(f"round {rnd} {name:10s} {ms:7.2f} ms/token  wait {wait:5.2f}", flush=True)
+            print(f"round {rnd} {name:24s} {ms:7.2f} ms/token  wait {wait:5.2f}", flush=True)
     print(json.dumps(res))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))

@@ -23,6 +23,8 @@ prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) 
   launch instead of MLX's topk + cumsum + argpartition + sort chain.
 - ``mv.body`` epilogues: the experts' SwiGLU of two weights (gate, up) and the sum of a token's routed experts
   (§4.8), each one matvec launch instead of two or three MLX ops (:func:`expert_swiglu`, :func:`expert_down_sum`).
+- ``sample.body``: the next token's id with ds4's greedy and top-p-1 rules, in one launch instead of ~50 MLX
+  ops (:func:`sample_token`), so a pipelined decode step can take it as its input.
 - ``attn_one.body``: one decode token's attention over the raw window and its compressed (or selected) rows,
   with the sink softmax and the output's inverse RoPE (§4.4), in one launch instead of ~15 MLX ops.
 
@@ -72,6 +74,8 @@ ATTN_NSG = 8
 ATTN_MAX_HD = 512
 #: Threads of the indexer top-k kernel (one threadgroup).
 TOPK_THREADS = 512
+#: Threads of the sampler's one threadgroup (sample.body): 127 logits each at V = 129280.
+SAMPLE_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,11 @@ SPECS = {
         (("logits", "float"), ("bias", "float"), ("fparams", "float")), ("sel", "w"), ("NE", "K", "NORM"),
         ("int32_t", "float"),
     ),
+    "sample": KernelSpec(
+        (("logits", "float"), ("fparams", "float"), ("u", "float"), ("counts", "int32_t")), ("token",), ("NT",),
+        ("int32_t",),
+        "sample.h",
+    ),
 }
 
 
@@ -187,6 +196,7 @@ def instantiations() -> list[tuple[str, tuple]]:
     out += [("qkv_rows", (("HD", 128), ("NH", 4), ("NOPE", 0), ("F16R", 0), ("WIN", w))) for w in (0, 1)]
     out += [("index_q", (("NH", 64), ("QAT", 1))), ("index_q", (("NH", 16), ("QAT", 0)))]
     out += [("moe_route", (("NE", 256), ("K", 6), ("NORM", 1))), ("moe_route", (("NE", 16), ("K", 6), ("NORM", 0)))]
+    out.append(("sample", (("NT", SAMPLE_THREADS),)))
     return out
 
 
@@ -932,3 +942,34 @@ def experts_with_shared(
     mid = mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
              shared=shared_gate_up)  # [T·k + T, F]: the routed rows, then the shared ones
     return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down)
+
+
+# --- the next token ---------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=64)
+def _sample_params(temperature: float, min_p: float) -> mx.array:
+    return resident(_f32(temperature, min_p))
+
+
+def sample_token(logits: mx.array, temperature: float, min_p: float, u: mx.array, *,
+                 backend: str | None = None) -> mx.array:
+    """One id from ``logits`` f32 ``[V]`` with ds4's greedy (``temperature <= 0``) or top-k-off, top-p-1 draw:
+    :func:`ds4_mlx.sampling.sample_ops`, whose signature this is, in one launch. ``u`` f32 ``[1]``: the step's
+    uniform. Returns int32 ``[1]``."""
+    from ds4_mlx.sampling import sample_ops
+
+    b = _pick(backend)
+    if logits.ndim != 1 or logits.dtype != mx.float32:
+        raise ValueError(f"sample_token: logits must be f32 [V], got {tuple(logits.shape)} {logits.dtype}")
+    _check_f32("sample_token u", u, (1,))
+    if b == "fallback":
+        return sample_ops(logits, temperature, min_p, u)
+    return get_fused_kernel("sample", b)(
+        inputs=[logits, _sample_params(float(temperature), float(min_p)), u, kernel_counts(logits.shape[0], 0)],
+        template=[("NT", SAMPLE_THREADS)],
+        grid=(SAMPLE_THREADS, 1, 1),
+        threadgroup=(SAMPLE_THREADS, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.int32],
+    )[0]

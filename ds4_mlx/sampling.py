@@ -5,11 +5,13 @@ top-p, then the draw; min-p and top-p both use probabilities normalised over all
 survivors) and neither renormalises for the other. Weights are float32 ``w_i = exp((l_i - l_max) / T)``.
 Randomness is ds4's xorshift64* generator, so a fixed seed reproduces the same tokens for the same logits.
 
-Logits arrive as an ``mx.array`` float32 ``[V]`` (numpy arrays are accepted too). The arithmetic runs in numpy
-on the host: the chosen id is needed there anyway (EOS, stop strings, detokenizing), the walk below is
-sequential by definition, and ties/orders must be deterministic (lowest id first). The only divergence from
-ds4.c is at the float32-rounding level of the final walk (a float32 prefix sum is compared with ``r`` instead of
-subtracting weight by weight), which is irrelevant since logits never match bit for bit anyway.
+Logits arrive as an ``mx.array`` float32 ``[V]`` (numpy arrays are accepted too). :func:`sample` runs in numpy
+on the host: the walk is sequential by definition, and ties/orders must be deterministic (lowest id first). The
+only divergence from ds4.c is at the float32-rounding level of the final walk (a float32 prefix sum is compared
+with ``r`` instead of subtracting weight by weight), which is irrelevant since logits never match bit for bit
+anyway. Greedy and ds4's default knobs (top-k off, top-p 1) also have a device form, :func:`sample_on_device`
+(one kernel launch; MLX ops where there is no GPU): a lazy id that a pipelined decode step takes as its input
+before the host has read it (:func:`~ds4_mlx.generate.decode_tokens`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
+import mlx.core as mx
 import numpy as np
 
 __all__ = [
@@ -30,6 +34,9 @@ __all__ = [
     "XorShift64Star",
     "argmax",
     "sample",
+    "on_device",
+    "sample_ops",
+    "sample_on_device",
     "Sampler",
     "StopStrings",
 ]
@@ -198,16 +205,83 @@ def sample(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
         m *= 8
 
 
+@lru_cache(maxsize=1)
+def _zero_u() -> mx.array:
+    return mx.zeros((1,), mx.float32)
+
+
+def on_device(p: SamplingParams) -> bool:
+    """Whether :func:`sample_on_device` implements these knobs: greedy, or top-k off and top-p 1 (ds4's default)."""
+    return p.temperature <= 0 or (p.top_k <= 0 and not 0.0 < p.top_p < 1.0)
+
+
+def sample_ops(logits: mx.array, temperature: float, min_p: float, u: mx.array) -> mx.array:
+    """:func:`sample`'s greedy and top-p-1 branches as lazy MLX ops: the id as int32 ``[1]``.
+
+    ``u`` f32 ``[1]`` is the step's uniform, drawn on the host from the same xorshift64* stream (unused when
+    greedy). The result is :func:`sample`'s, but for float32 rounding of the running sum (MLX may add in another
+    order) and for logits with no finite value, where the caller consumes a uniform and :func:`sample` does
+    not. The fallback and oracle of the one-launch kernel (:func:`sample_on_device`).
+    """
+    x = logits.reshape(-1).astype(mx.float32)
+    best = mx.argmax(mx.where(mx.isnan(x), -mx.inf, x), keepdims=True)  # the first maximum; NaN never wins
+    if temperature <= 0:
+        return best.astype(mx.int32)
+    finite = mx.isfinite(x)
+    l_max = mx.max(mx.where(finite, x, -mx.inf))
+    w = mx.where(finite, mx.exp((x - l_max) / mx.array(temperature, mx.float32)), 0.0)
+    c = mx.cumsum(mx.where(w >= mx.array(min_p, mx.float32), w, 0.0))  # float32, id order
+    total = c[-1]
+    hit = c >= u * total  # the walk: the first id whose running sum reaches r = U * total
+    ok = mx.isfinite(total) & (total > 0) & mx.any(hit)
+    return mx.where(ok, mx.argmax(hit, keepdims=True), best).astype(mx.int32)
+
+
+def sample_on_device(logits: mx.array, temperature: float, min_p: float, u: mx.array) -> mx.array:
+    """:func:`sample_ops` in one kernel launch where there is a GPU kernel backend (int32 ``[1]``, lazy)."""
+    from .kernels import fused
+
+    return fused.sample_token(logits.reshape(-1), temperature, min_p, u)
+
+
 class Sampler:
     """A seeded sampler: ``Sampler(params, seed)(logits) -> id``. Same seed + same logits -> same ids."""
+
+    #: Uniforms drawn for :meth:`draw` at a time: one host-to-device copy per this many tokens.
+    UNIFORM_BATCH = 256
 
     def __init__(self, params: SamplingParams = DEFAULT_PARAMS, seed: int | None = None) -> None:
         self.params = params
         self.rng = XorShift64Star(seed)
+        self._uniforms: mx.array | None = None
+        self._next = 0
 
     def __call__(self, logits, params: SamplingParams | None = None) -> int:
         p = params or self.params
         return sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, self.rng)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether :meth:`draw` can sample with this sampler's knobs (:func:`on_device`)."""
+        return on_device(self.params)
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """The next id as a lazy int32 ``[1]`` (needs :attr:`on_device`): the k-th draw uses the k-th uniform of
+        the RNG, as the k-th ``__call__`` would. The uniforms go to the device in batches (a new host array every
+        step would be a page fault on the device's critical path under MLX-CUDA: ``fused.resident``)."""
+        from .kernels.fused import resident
+
+        p = self.params
+        if not self.on_device:
+            raise ValueError(f"top_k={p.top_k} / top_p={p.top_p} sample on the host only: call the sampler")
+        if p.temperature <= 0:
+            return sample_on_device(logits, p.temperature, 0.0, _zero_u())
+        if self._uniforms is None or self._next == self._uniforms.shape[0]:
+            us = [self.rng.uniform() for _ in range(self.UNIFORM_BATCH)]
+            self._uniforms, self._next = resident(mx.array(us, dtype=mx.float32)), 0
+        u = self._uniforms[self._next : self._next + 1]
+        self._next += 1
+        return sample_on_device(logits, p.temperature, max(p.min_p, 0.0), u)
 
 
 class StopStrings:

@@ -121,9 +121,13 @@ class Session:
             return self._run(token.reshape(1).astype(mx.int32), wait=False)
         return self._run([int(token)])
 
-    def snapshot(self) -> SessionSnapshot:
-        """An in-memory copy of the state; later calls do not change it."""
-        return SessionSnapshot(tuple(self.tokens), self.logits, tuple(c.snapshot() for c in self.caches))
+    def snapshot(self, wait: bool = True) -> SessionSnapshot:
+        """An in-memory copy of the state; later calls do not change it.
+
+        ``wait=False`` does not wait for tokens queued by pipelined steps: the copy's ``tokens`` may then hold
+        their lazy ``mx.array`` ids (a rewind point for :func:`~ds4_mlx.generate.decode_tokens`)."""
+        tokens = self.tokens if wait else self._tokens
+        return SessionSnapshot(tuple(tokens), self.logits, tuple(c.snapshot() for c in self.caches))
 
     def restore(self, snap: SessionSnapshot) -> None:
         """Return to ``snap`` (which stays usable: it can be restored again)."""

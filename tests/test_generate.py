@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from ds4_mlx.chat import ThinkMode
-from ds4_mlx.generate import generate, prompt_tokens, stream_generate
+from ds4_mlx.generate import decode_tokens, generate, prompt_tokens, stream_generate
 from ds4_mlx.loader import load
 from ds4_mlx.sampling import GREEDY_PARAMS, Sampler, SamplingParams
-from ds4_mlx.session import Session
+from ds4_mlx.session import Session, _arrays
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +99,62 @@ def test_session_prefix_reuse_matches_fresh_run(model):
     assert other[0].cached_tokens == 0
 
 
-def test_eos_and_think_markers(model, monkeypatch):
-    """EOS stops without being emitted; <think>/</think> switch the reasoning channel and print nothing."""
+@pytest.mark.parametrize("lag", [0, 2])
+def test_eos_and_think_markers(model, monkeypatch, lag):
+    """EOS stops without being emitted or entering the KV (also when steps after it were already queued);
+    <think>/</think> switch the reasoning channel and print nothing."""
     m, tok = model
     a, b = tok.encode("ab")[0], tok.encode(" c")[0]
-    script = iter([a, tok.think_end_id, b, b, tok.eos_id])
-    monkeypatch.setattr(Sampler, "__call__", lambda self, logits, params=None: next(script))
-    out = _run(model, "Hi", max_tokens=10, think="high")
+    script = itertools.chain([a, tok.think_end_id, b, b, tok.eos_id], itertools.repeat(a))
+    monkeypatch.setattr(Sampler, "draw", lambda self, logits: mx.array(next(script), dtype=mx.int32))
+    s = Session(m)
+    out = _run(model, "Hi", max_tokens=10, think="high", session=s, lag=lag)
     assert [r.token for r in out] == [a, tok.think_end_id, b, b, None]
     assert [r.reasoning for r in out] == [True, True, False, False, False]
     assert out[1].text == "" and out[-1].finish_reason == "stop" and out[-1].generation_tokens == 4
     assert "".join(r.text for r in out) == tok.decode([a, b, b])
+    assert s.tokens == prompt_tokens(tok, "Hi", think="high") + [a, tok.think_end_id, b, b]
+
+
+def _state(s: Session) -> list[np.ndarray]:
+    return [np.array(a) for a in _arrays([s.logits, s.caches])]
+
+
+@pytest.mark.parametrize("kw", [dict(seed=4), dict(sampling=GREEDY_PARAMS), dict(seed=3, max_tokens=5),
+                                dict(sampling=SamplingParams(top_k=5), seed=2)], ids=["seeded", "greedy", "length",
+                                                                                      "host-sampler"])
+def test_pipelined_decode_is_the_synchronous_one(model, kw):
+    """Queued steps (lag 1, 2) give the tokens, text and final session of one step at a time (lag 0): the
+    steps queued past the end (stop string or max_tokens) are rewound."""
+    m, tok = model
+    kw = dict(dict(max_tokens=20), **kw)
+    if "max_tokens" not in kw:  # stop at a string from the middle of the text
+        text = "".join(r.text for r in _run(model, "Hello", **kw))
+        kw["stop"] = [text[len(text) // 2 :][:2]]
+    runs = {}
+    for lag in (0, 1, 2):
+        s = Session(m)
+        out = _run(model, "Hello", session=s, lag=lag, **kw)
+        runs[lag] = ([r.token for r in out], "".join(r.text for r in out), s.tokens, _state(s))
+    assert runs[0][0][-1] is not None and len(runs[0][0]) < kw["max_tokens"] or "stop" not in kw
+    for lag in (1, 2):
+        assert runs[lag][:3] == runs[0][:3], lag
+        assert all(np.array_equal(x, y) for x, y in zip(runs[lag][3], runs[0][3], strict=True))
+    assert len(runs[0][2]) == len(prompt_tokens(tok, "Hello")) + sum(t is not None for t in runs[0][0]) - 1
+
+
+def test_decode_tokens_rewinds_when_the_caller_stops(model):
+    m, tok = model
+    ids = prompt_tokens(tok, "Stop early")
+    s = Session(m)
+    s.prefill(ids)
+    gen = decode_tokens(s, Sampler(seed=9), 50, lag=2)
+    got = [next(gen)[0] for _ in range(4)]
+    gen.close()
+    assert s.tokens == ids + got[:3]  # the last id read never entered the KV; the queued steps are gone
+    ref = Session(m)
+    ref.prefill(ids + got[:3])
+    np.testing.assert_allclose(np.array(s.logits), np.array(ref.logits), rtol=1e-5, atol=1e-5)
 
 
 def test_generate_returns_text_and_logprobs(model):

@@ -19,9 +19,13 @@ from ds4_mlx.sampling import (
     StopStrings,
     XorShift64Star,
     argmax,
+    on_device,
     sample,
+    sample_ops,
     server_params,
 )
+from ds4_mlx.kernels import fused
+from kernel_util import BACKEND, kernel_backend_set, needs_gpu
 
 F = np.float32
 
@@ -314,3 +318,83 @@ def test_full_vocab_speed(n):
         for _ in range(10):
             s(x, p)
         assert (time.perf_counter() - t) / 10 < 0.05, p
+
+
+# -- on the device: the MLX-op form and the one-launch kernel --------------------------------------------------
+def _device_case(rng: np.random.Generator, V: int, scale: float, specials: bool = True):
+    x = (rng.standard_normal(V) * scale).astype(np.float32)
+    if specials and rng.random() < 0.3:
+        for _ in range(3):
+            x[rng.integers(V)] = rng.choice([np.nan, -np.inf, np.inf])
+    T = float(rng.choice([0.0, 0.3, 1.0, 1.7, -1.0]))
+    min_p = float(rng.choice([0.05, 0.0, 0.2, 0.9, 1.5]))
+    return x, T, min_p
+
+
+def test_sample_ops_is_the_host_sampler():
+    """Greedy and top-p-1 draws as MLX ops pick what :func:`sample` picks from the same uniforms."""
+    rng = np.random.default_rng(0)
+    for case in range(800):
+        x, T, min_p = _device_case(rng, int(rng.choice([1, 2, 5, 30, 200, 3000])), float(rng.choice([0.5, 2.0, 8.0])))
+        if T > 0 and not np.isfinite(x).any():
+            continue  # documented: the device form consumes a uniform here, the host one does not
+        seed = int(rng.integers(1, 2**63))
+        host, dev = XorShift64Star(seed), XorShift64Star(seed)
+        for draw in range(2):
+            u = mx.array([dev.uniform() if T > 0 else 0.0], mx.float32)
+            got = int(sample_ops(mx.array(x), T, max(min_p, 0.0), u).item())
+            assert got == sample(x, T, 0, 1.0, min_p, host), (case, draw, T, min_p)
+    assert on_device(DEFAULT_PARAMS) and on_device(GREEDY_PARAMS) and on_device(SamplingParams(top_p=1.5))
+    assert not on_device(SamplingParams(top_k=40)) and not on_device(SamplingParams(top_p=0.9))
+    with pytest.raises(ValueError, match="host only"):
+        Sampler(SamplingParams(top_k=3)).draw(mx.zeros((4,)))
+
+
+def _walk_ok(x: np.ndarray, T: float, min_p: float, u: float, got: int) -> bool:
+    """``got`` is where the walk lands up to float32 rounding of the running sum: its interval of the float64
+    running sum of the weights holds r = u * total (within 1e-5 of the total)."""
+    fin = np.isfinite(x)
+    w = np.zeros(x.size)
+    w[fin] = np.exp((x[fin].astype(np.float64) - x[fin].max()) / T)
+    w[w < min_p] = 0
+    c = np.cumsum(w)
+    r, tol = u * c[-1], 1e-5 * c[-1]
+    return w[got] > 0 and (c[got - 1] if got else 0.0) <= r + tol and c[got] >= r - tol
+
+
+@needs_gpu
+@pytest.mark.parametrize("V", [1, 33, 1000, 5000, 129280])
+def test_sample_kernel(V):
+    """The one-launch kernel against the MLX ops: the same greedy id always (NaN, ±inf, ties); sampled ids
+    the same where the logits are peaked, and always where the walk lands up to rounding (flat logits over
+    the real vocabulary: the kernel's chunked sums and MLX's sequential cumsum round differently)."""
+    rng = np.random.default_rng(V)
+    same = sampled = 0
+    cases = 40 if V < 129280 else 12
+    for case in range(cases):
+        x, T, min_p = _device_case(rng, V, float(rng.choice([0.05, 2.0, 8.0])))
+        if rng.random() < 0.2:
+            x[rng.integers(V, size=3)] = np.nanmax(np.where(np.isfinite(x), x, np.nan)) if np.isfinite(x).any() else 1.0
+        u = mx.array([rng.random()], mx.float32)
+        want = int(fused.sample_token(mx.array(x), T, max(min_p, 0.0), u, backend="fallback").item())
+        got = int(fused.sample_token(mx.array(x), T, max(min_p, 0.0), u, backend=BACKEND).item())
+        if T <= 0 or not np.isfinite(x).any():
+            assert got == want, (case, T)
+            continue
+        same, sampled = same + (got == want), sampled + 1
+        w_ok = _walk_ok(x, T, max(min_p, 0.0), float(u.item()), got)
+        greedy_fallback = got == int(np.argmax(np.where(np.isnan(x), -np.inf, x)))
+        assert w_ok or (greedy_fallback and got == want), (case, T, min_p, got, want)
+    assert same >= 0.6 * sampled, (same, sampled)
+
+
+@needs_gpu
+def test_sample_kernel_frequencies():
+    """Drawn through the kernel with a seeded Sampler, ids follow the softmax of the logits over T."""
+    l = np.array([1.0, 0.5, -0.2, 2.0, 0.0], np.float32)
+    with kernel_backend_set(BACKEND):
+        s = Sampler(SamplingParams(temperature=0.7, min_p=0.0), seed=3)
+        x = mx.array(l)
+        ids = np.array([int(s.draw(x).item()) for _ in range(3000)])
+    f = np.bincount(ids, minlength=5) / ids.size
+    assert np.abs(f - _softmax(l, 0.7)).max() < 0.03, f
