@@ -59,8 +59,8 @@ def run_child(args: argparse.Namespace, env: dict[str, str] | None = None, tree:
         if r.returncode or not out.exists():
             return {"error": r.stderr[-600:]}
         res = json.loads(out.read_text())
-    keys = ("decode_ms", "decode_lag2_ms", "decode_generate_ms", "decode_sync_ms", "decode_host_split_ms", "decode_lag2_host_split_ms",
-            "floor_ratio", "prefill_tok_s")
+    keys = ("decode_ms", "decode_lag2_ms", "decode_generate_ms", "decode_sync_ms", "decode_host_split_ms",
+            "decode_lag2_host_split_ms", "floor_ratio", "prefill_tok_s")
     return {k: res[k] for k in keys if k in res}  # an older tree's model.py may not report every figure
 
 

@@ -34,7 +34,8 @@ from ds4_mlx.session import STATE_EVAL_EVERY, Session  # noqa: E402
 VARIANTS = {"lag1": dict(lag=1), "lag1+3ms": dict(lag=1, delay=0.003), "lag1+6ms": dict(lag=1, delay=0.006),
             "lag2": dict(lag=2), "nowait": dict(lag=None),
             "lag2 sampler": dict(lag=2, sampler=True), "lag2 snapshots": dict(lag=2, snapshots=True),
-            "lag2 sampler+snapshots": dict(lag=2, sampler=True, snapshots=True), "decode_tokens": dict(lag=2, loop=True)}
+            "lag2 sampler+snapshots": dict(lag=2, sampler=True, snapshots=True),
+            "decode_tokens": dict(lag=2, loop=True)}
 
 
 def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampler: bool = False,

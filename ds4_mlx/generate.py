@@ -128,7 +128,7 @@ def decode_tokens(
             lp = logits - mx.logsumexp(logits) if logprobs else None
             more = i + 1 < max_tokens
             if lag == 0:
-                token = int(sampler.draw(logits).item()) if sampler.on_device else sampler(logits)
+                token = sampler.next_id(logits)
                 yield token, lp
                 if more:
                     logits = session.step(token)

@@ -32,6 +32,7 @@ __all__ = [
     "GREEDY_PARAMS",
     "server_params",
     "XorShift64Star",
+    "UniformStream",
     "argmax",
     "sample",
     "on_device",
@@ -238,23 +239,65 @@ def sample_ops(logits: mx.array, temperature: float, min_p: float, u: mx.array) 
 
 
 def sample_on_device(logits: mx.array, temperature: float, min_p: float, u: mx.array) -> mx.array:
-    """:func:`sample_ops` in one kernel launch where there is a GPU kernel backend (int32 ``[1]``, lazy)."""
+    """:func:`sample_ops` in one kernel launch where there is a GPU kernel backend (int32 ``[1]``, lazy).
+    ``logits`` may also be a numpy array."""
     from .kernels import fused
 
-    return fused.sample_token(logits.reshape(-1), temperature, min_p, u)
+    x = logits.reshape(-1) if isinstance(logits, mx.array) else mx.array(np.asarray(logits).reshape(-1))
+    return fused.sample_token(x if x.dtype == mx.float32 else x.astype(mx.float32), temperature, min_p, u)
+
+
+class UniformStream:
+    """ds4's xorshift64* uniforms as one stream for host and device draws: :meth:`uniform` (what :func:`sample`
+    calls) and :meth:`device` (an f32 ``[1]`` view for :func:`sample_on_device`) both take the next value, so
+    the k-th draw uses the k-th uniform whichever path it takes. Values reach the device in batches of
+    :attr:`BATCH`: a new host array every step would be a page fault on the device's critical path under
+    MLX-CUDA (``fused.resident``)."""
+
+    BATCH = 256
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.rng = XorShift64Star(seed)
+        self.pos = 0  # index of the next value
+        self._first = 0  # index of _values[0]: the start of pos's batch (earlier values are never read again)
+        self._values: list[float] = []
+        self._batch: tuple[int, mx.array] | None = None  # (batch index, device values)
+
+    def _value(self, i: int) -> float:
+        start = i - i % self.BATCH
+        if start > self._first:
+            del self._values[: start - self._first]
+            self._first = start
+        while self._first + len(self._values) <= i:
+            self._values.append(self.rng.uniform())
+        return self._values[i - self._first]
+
+    def uniform(self) -> float:
+        u = self._value(self.pos)
+        self.pos += 1
+        return u
+
+    def device(self) -> mx.array:
+        from .kernels.fused import resident
+
+        b, i = divmod(self.pos, self.BATCH)
+        if self._batch is None or self._batch[0] != b:
+            vals = [self._value(j) for j in range(b * self.BATCH, (b + 1) * self.BATCH)]
+            self._batch = (b, resident(mx.array(vals, dtype=mx.float32)))
+        self.pos += 1
+        return self._batch[1][i : i + 1]
 
 
 class Sampler:
-    """A seeded sampler: ``Sampler(params, seed)(logits) -> id``. Same seed + same logits -> same ids."""
+    """A seeded sampler: ``Sampler(params, seed)(logits) -> id``. Same seed + same logits -> same ids.
 
-    #: Uniforms drawn for :meth:`draw` at a time: one host-to-device copy per this many tokens.
-    UNIFORM_BATCH = 256
+    :meth:`draw` samples on the device instead (a lazy id) where the knobs allow it (:func:`on_device`); host and
+    device draws share one stream of uniforms (:class:`UniformStream`).
+    """
 
     def __init__(self, params: SamplingParams = DEFAULT_PARAMS, seed: int | None = None) -> None:
         self.params = params
-        self.rng = XorShift64Star(seed)
-        self._uniforms: mx.array | None = None
-        self._next = 0
+        self.rng = UniformStream(seed)
 
     def __call__(self, logits, params: SamplingParams | None = None) -> int:
         p = params or self.params
@@ -265,23 +308,21 @@ class Sampler:
         """Whether :meth:`draw` can sample with this sampler's knobs (:func:`on_device`)."""
         return on_device(self.params)
 
-    def draw(self, logits: mx.array) -> mx.array:
-        """The next id as a lazy int32 ``[1]`` (needs :attr:`on_device`): the k-th draw uses the k-th uniform of
-        the RNG, as the k-th ``__call__`` would. The uniforms go to the device in batches (a new host array every
-        step would be a page fault on the device's critical path under MLX-CUDA: ``fused.resident``)."""
-        from .kernels.fused import resident
-
-        p = self.params
-        if not self.on_device:
+    def draw(self, logits: mx.array, params: SamplingParams | None = None) -> mx.array:
+        """The next id as a lazy int32 ``[1]``, drawn on the device (the knobs must pass :func:`on_device`);
+        the k-th draw (host or device) uses the k-th uniform."""
+        p = params or self.params
+        if not on_device(p):
             raise ValueError(f"top_k={p.top_k} / top_p={p.top_p} sample on the host only: call the sampler")
         if p.temperature <= 0:
             return sample_on_device(logits, p.temperature, 0.0, _zero_u())
-        if self._uniforms is None or self._next == self._uniforms.shape[0]:
-            us = [self.rng.uniform() for _ in range(self.UNIFORM_BATCH)]
-            self._uniforms, self._next = resident(mx.array(us, dtype=mx.float32)), 0
-        u = self._uniforms[self._next : self._next + 1]
-        self._next += 1
-        return sample_on_device(logits, p.temperature, max(p.min_p, 0.0), u)
+        return sample_on_device(logits, p.temperature, max(p.min_p, 0.0), self.rng.device())
+
+    def next_id(self, logits: mx.array, params: SamplingParams | None = None) -> int:
+        """One synchronous draw: on the device where the knobs allow it (no copy of the logits to the host,
+        no host arithmetic over the vocabulary), else on the host."""
+        p = params or self.params
+        return int(self.draw(logits, p).item()) if on_device(p) else self(logits, p)
 
 
 class StopStrings:

@@ -106,7 +106,7 @@ def test_eos_and_think_markers(model, monkeypatch, lag):
     m, tok = model
     a, b = tok.encode("ab")[0], tok.encode(" c")[0]
     script = itertools.chain([a, tok.think_end_id, b, b, tok.eos_id], itertools.repeat(a))
-    monkeypatch.setattr(Sampler, "draw", lambda self, logits: mx.array(next(script), dtype=mx.int32))
+    monkeypatch.setattr(Sampler, "draw", lambda self, logits, params=None: mx.array(next(script), dtype=mx.int32))
     s = Session(m)
     out = _run(model, "Hi", max_tokens=10, think="high", session=s, lag=lag)
     assert [r.token for r in out] == [a, tok.think_end_id, b, b, None]

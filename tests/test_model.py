@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -81,7 +83,7 @@ def test_pipeline_depth_runs_at_tiny_shape():
     res = pd.main(["--shape", "tiny", "--prefill", "24", "--decode", "3", "--rounds", "1"])
     assert set(res) == set(pd.VARIANTS)
     for name, [(ms, wait)] in res.items():
-        assert ms > 0 and wait >= 0, name
+        assert ms > 0 and (wait >= 0 or name == "decode_tokens" and math.isnan(wait)), name  # its wait is inside it
     assert res["lag1+6ms"][0][0] >= 6.0  # the sleep is inside the timed step
 
 

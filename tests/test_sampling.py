@@ -17,6 +17,7 @@ from ds4_mlx.sampling import (
     Sampler,
     SamplingParams,
     StopStrings,
+    UniformStream,
     XorShift64Star,
     argmax,
     on_device,
@@ -321,9 +322,10 @@ def test_full_vocab_speed(n):
 
 
 # -- on the device: the MLX-op form and the one-launch kernel --------------------------------------------------
-def _device_case(rng: np.random.Generator, V: int, scale: float, specials: bool = True):
+def _device_case(rng: np.random.Generator, V: int, scale: float):
+    """Random logits (NaN/±inf in 30 % of the cases) and knobs, out-of-range ones included."""
     x = (rng.standard_normal(V) * scale).astype(np.float32)
-    if specials and rng.random() < 0.3:
+    if rng.random() < 0.3:
         for _ in range(3):
             x[rng.integers(V)] = rng.choice([np.nan, -np.inf, np.inf])
     T = float(rng.choice([0.0, 0.3, 1.0, 1.7, -1.0]))
@@ -398,3 +400,17 @@ def test_sample_kernel_frequencies():
         ids = np.array([int(s.draw(x).item()) for _ in range(3000)])
     f = np.bincount(ids, minlength=5) / ids.size
     assert np.abs(f - _softmax(l, 0.7)).max() < 0.03, f
+
+
+def test_host_and_device_draws_share_one_stream_of_uniforms():
+    """A sampler whose knobs change from token to token (as the server's do) uses the k-th uniform for its
+    k-th draw on either path: the ids are the host sampler's with one RNG."""
+    rng = np.random.default_rng(5)
+    knobs = [DEFAULT_PARAMS, SamplingParams(top_k=5), GREEDY_PARAMS, SamplingParams(top_p=0.9), DEFAULT_PARAMS,
+             SamplingParams(temperature=0.6, min_p=0.0)] * 60  # past one device batch of uniforms
+    s, ref = Sampler(seed=11), XorShift64Star(11)
+    for i, p in enumerate(knobs):
+        x = rng.standard_normal(300).astype(np.float32) * 2
+        logits = x if i % 2 else mx.array(x)  # numpy logits are accepted on both paths (the server's fake engine)
+        assert s.next_id(logits, p) == sample(x, p.temperature, p.top_k, p.top_p, p.min_p, ref), i
+    assert s.rng.pos > UniformStream.BATCH

@@ -14,7 +14,8 @@ objects in a FIFO queue and run one at a time, never interleaved. For each job t
    longest cached rendered-byte prefix on disk (§5.6); a cold prompt is saved at its stable prefix (``cold``),
    long prefills and generations at aligned frontiers (``continued``), the live session at exit (``shutdown``);
 3. samples token by token with ds4's rules (thinking overrides the client's knobs; greedy inside DSML
-   structure) until EOS, a stop string, ``max_tokens``, a full context, a closed tool block, or a disconnect.
+   structure; drawn on the device where the knobs allow it, one step at a time since they can change with
+   every token) until EOS, a stop string, ``max_tokens``, a full context, a closed tool block, or a disconnect.
 
 Events go back to the request's event loop as tuples: ``("start", info)``, ``("prefill", done, total)``,
 ``("text", str)`` and finally ``("done", Result)`` or ``("error", status, message)``.
@@ -33,7 +34,7 @@ from typing import Any, Callable
 from ..chat import ThinkMode
 from ..dsml import DSMLTracker, ToolCallDetector
 from ..tokenizer import EOS, THINK, THINK_END, StreamingDetokenizer
-from ..sampling import SamplingParams, XorShift64Star, sample, server_params
+from ..sampling import Sampler, SamplingParams, server_params
 from ..dsml import DecodeState
 from ..kvstore import FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE, CachePolicy, DiskCache
 
@@ -456,7 +457,7 @@ class Worker:
         client = SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p)
         max_tokens = p.max_tokens if p.max_tokens is not None else self.default_max_tokens
         max_tokens = max(0, min(max_tokens, self.ctx - P))
-        rng = XorShift64Star(p.seed if p.seed and p.seed > 0 else None)
+        sampler = Sampler(client, p.seed if p.seed and p.seed > 0 else None)
         detok = StreamingDetokenizer(tok)
         tracker = DSMLTracker() if job.tools_active else None
         detector = ToolCallDetector(in_think=job.prompt_text.endswith(THINK)) if job.tools_active else None
@@ -478,7 +479,7 @@ class Worker:
                 # §3: thinking mode ignores the client's knobs; §6.2: DSML structure is sampled greedily
                 sp = server_params(client, thinking=job.mode.thinking,
                                    dsml_structure=tracker is not None and tracker.greedy)
-                token = sample(self.session.logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p, rng)
+                token = sampler.next_id(self.session.logits, sp)  # on the device for greedy / top-p-1 knobs
             if token == tok.eos_id:
                 finish = "stop"
                 break
