@@ -119,6 +119,8 @@ def decode_tokens(
     snapshot, which holds the old cache arrays: a row appended meanwhile costs a copy of its buffer instead
     of an update in place). Other knobs sample on the host, one synchronous step at a time.
     """
+    if lag < 0:
+        raise ValueError(f"lag must be >= 0, got {lag}")
     lag = lag if sampler.on_device else 0
     logits = session.logits
     queued: deque = deque()  # (lazy id, logprobs, the session before that id)

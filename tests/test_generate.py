@@ -152,6 +152,8 @@ def test_decode_tokens_rewinds_when_the_caller_stops(model):
     got = [next(gen)[0] for _ in range(4)]
     gen.close()
     assert s.tokens == ids + got[:3]  # the last id read never entered the KV; the queued steps are gone
+    with pytest.raises(ValueError, match="lag"):
+        next(decode_tokens(s, Sampler(seed=9), 5, lag=-1))
     ref = Session(m)
     ref.prefill(ids + got[:3])
     np.testing.assert_allclose(np.array(s.logits), np.array(ref.logits), rtol=1e-5, atol=1e-5)
