@@ -27,7 +27,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import model as bench  # noqa: E402  (benchmarks/model.py: the shapes, weights and warm-up it times with)
-from ds4_mlx.generate import decode_tokens  # noqa: E402
 from ds4_mlx.sampling import DEFAULT_PARAMS, Sampler  # noqa: E402
 from ds4_mlx.session import STATE_EVAL_EVERY, Session  # noqa: E402
 
@@ -35,7 +34,7 @@ VARIANTS = {"lag1": dict(lag=1), "lag1+3ms": dict(lag=1, delay=0.003), "lag1+6ms
             "lag2": dict(lag=2), "nowait": dict(lag=None),
             "lag2 sampler": dict(lag=2, sampler=True), "lag2 snapshots": dict(lag=2, snapshots=True),
             "lag2 sampler+snapshots": dict(lag=2, sampler=True, snapshots=True),
-            "decode_tokens": dict(lag=2, loop=True)}
+            "decode_tokens": dict(lag=2, loop=True)}  # at generate.DEFAULT_LAG (2)
 
 
 def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampler: bool = False,
@@ -43,13 +42,10 @@ def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampl
     """(ms/token, wait ms/token) of ``n`` steps from ``start``; ``lag=None`` reads tokens back only at the end.
     ``sampler``: ids drawn by ds4's default sampler on the device instead of argmax; ``snapshots``: a session
     snapshot kept for each of the last ``lag`` steps (``decode_tokens``' rewind points); ``loop``: the package's
-    own loop (``generate.decode_tokens``: both, in a generator)."""
+    own loop (``generate.decode_tokens``, at its default lag, timed by ``model.generate_seconds``)."""
     sess.restore(start)
     if loop:
-        t0 = time.perf_counter()
-        for _ in decode_tokens(sess, Sampler(DEFAULT_PARAMS, seed=0), n + 1, lag=lag):
-            pass
-        return (time.perf_counter() - t0) / n * 1e3, float("nan")
+        return bench.generate_seconds(sess, n) * 1e3, float("nan")
     pick = Sampler(DEFAULT_PARAMS, seed=0).draw if sampler else mx.argmax
     toks, snaps = [pick(sess.logits)], []
     wait, t0 = 0.0, time.perf_counter()

@@ -49,3 +49,14 @@ DS_FN float ds_sqrt_softplus(float x) {
 }
 // (value, index) arg-max step: the larger value, ties to the lower index.
 DS_FN bool ds_beats(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+// (value, index) arg-max across a simdgroup: every lane ends with the winner.
+DS_FN void ds_simd_argmax(DS_THR float& v, DS_THR int& i) {
+  for (int m = 16; m > 0; m >>= 1) {
+    const float ov = DS_SHFL_XOR(v, m);
+    const int oi = DS_SHFL_XOR(i, m);
+    if (ds_beats(ov, oi, v, i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
