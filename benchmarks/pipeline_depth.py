@@ -8,8 +8,8 @@ with the token ids fed lazily (mlx-lm style), reading token k back after buildin
 step), ``lag2`` and ``nowait`` (read back only at the end). If the host were the only limit, a sleep would add its
 whole length to the step and a deeper queue would change nothing; if the device were, the sleep would vanish
 into the host's wait. Then what the package's generation loop adds to ``lag2``: ids drawn by ds4's default
-sampler on the device (``lag2 sampler``), a session snapshot per queued step (``lag2 snapshots``, the rewind
-points), both, and ``decode_tokens`` itself. Reported per variant: ms/token and the host's ms/token spent
+sampler on the device (``lag2 sampler``), a rewind point per queued step (``lag2 snapshots``:
+``Session.rewind_point``), both, and ``decode_tokens`` itself. Reported per variant: ms/token and the host's ms/token spent
 waiting for a token (not split out for ``decode_tokens``).
 """
 
@@ -41,7 +41,7 @@ def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampl
         snapshots: bool = False, loop: bool = False) -> tuple[float, float]:
     """(ms/token, wait ms/token) of ``n`` steps from ``start``; ``lag=None`` reads tokens back only at the end.
     ``sampler``: ids drawn by ds4's default sampler on the device instead of argmax; ``snapshots``: a session
-    snapshot kept for each of the last ``lag`` steps (``decode_tokens``' rewind points); ``loop``: the package's
+    rewind point kept for each of the last ``lag`` steps (as ``decode_tokens`` does); ``loop``: the package's
     own loop (``generate.decode_tokens``, at its default lag, timed by ``model.generate_seconds``)."""
     sess.restore(start)
     if loop:
@@ -51,7 +51,7 @@ def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampl
     wait, t0 = 0.0, time.perf_counter()
     for _ in range(n):
         if snapshots:
-            snaps = (snaps + [sess.snapshot(wait=False)])[-lag:]
+            snaps = (snaps + [sess.rewind_point()])[-lag:]
         toks.append(pick(sess.step(toks[-1])))
         if delay:
             time.sleep(delay)

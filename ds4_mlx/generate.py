@@ -25,8 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from .chat import DEFAULT_SYSTEM, Message, ThinkMode, cli_prompt_tokens, render_chat
-from .sampling import DEFAULT_PARAMS, Sampler, SamplingParams, StopStrings
-from .session import DEFAULT_CHUNK, Session
+from .sampling import DEFAULT_PARAMS, Sampler, SamplingParams, StopStrings, on_device
+from .session import DEFAULT_CHUNK, Session, SessionSnapshot
 
 DEFAULT_CTX = 32768
 # Steps queued ahead of the id the host reads (decode_tokens). One is mlx-lm's, but then the H200's host waits
@@ -106,45 +106,82 @@ def sync_session(
     return cached
 
 
+@dataclass
+class _Queued:
+    """An id drawn on the device ahead of the host: what a rewind to just before it needs."""
+
+    token: mx.array  # lazy int32 [1]
+    logprobs: mx.array | None
+    before: SessionSnapshot  # the session that computed its logits (Session.rewind_point)
+    uniform: int  # the sampler's stream position before its draw
+    params: SamplingParams  # the knobs it was drawn with
+
+
 def decode_tokens(
-    session: Session, sampler: Sampler, max_tokens: int, *, lag: int = DEFAULT_LAG, logprobs: bool = False
+    session: Session,
+    sampler: Sampler,
+    max_tokens: int,
+    *,
+    lag: int = DEFAULT_LAG,
+    logprobs: bool = False,
+    knobs: Callable[[], SamplingParams] | None = None,
 ) -> Iterator[tuple[int, mx.array | None]]:
     """Sample up to ``max_tokens`` ids after ``session``'s logits: yields ``(id, logprobs or None)``.
 
     Every id the caller takes the next one after is in the session; when the caller stops (closes the
     generator, or ``max_tokens`` is reached) the last id yielded is not, as in ds4 (an EOS or a stop is never
-    evaluated into the KV). With ``lag`` > 0 and a device sampler (:attr:`Sampler.on_device`) an id is read
-    back once ``lag`` steps are queued after the one that computed its logits (mlx-lm reads at 1; the first
-    of them takes the id as its input); a stop rewinds them (the session is restored to a
-    snapshot, which holds the old cache arrays: a row appended meanwhile costs a copy of its buffer instead
-    of an update in place). Other knobs sample on the host, one synchronous step at a time.
+    evaluated into the KV), and the sampler's stream is just after that id's draw.
+
+    ``knobs()`` gives the sampling knobs of the next id from the caller's state after the ids it has taken
+    (the server's: greedy inside DSML structure); default the sampler's own. Ids whose knobs pass
+    :func:`~ds4_mlx.sampling.on_device` are drawn on the device and read back once ``lag`` steps are queued
+    after the one that computed their logits (mlx-lm reads at 1; the first of them takes the id as its input).
+    Such an id is drawn with the knobs the caller's state gave ``lag`` ids earlier; if they differ when the id
+    comes up, it is redrawn from its own logits and uniform and the steps queued after it are dropped
+    (:meth:`Session.rewind`). Other knobs sample on the host, one synchronous step at a time.
     """
     if lag < 0:
         raise ValueError(f"lag must be >= 0, got {lag}")
-    lag = lag if sampler.on_device else 0
+    knobs = knobs or (lambda: sampler.params)
     logits = session.logits
-    queued: deque = deque()  # (lazy id, logprobs, the session before that id)
-    rewind = None  # the session before the id yielded last
+    queued: deque[_Queued] = deque()
+    rewind: _Queued | None = None  # the id yielded last, if it was drawn ahead
+    done = 0  # ids yielded
     try:
-        for i in range(max_tokens):
+        while done < max_tokens:
+            i = done + len(queued)  # the next id to draw
+            p = knobs() if i < max_tokens else None
             lp = logits - mx.logsumexp(logits) if logprobs else None
-            more = i + 1 < max_tokens
-            if lag == 0:
-                token = sampler.next_id(logits)
+            if p is not None and lag and on_device(p):
+                before, uniform = session.rewind_point(), sampler.rng.pos
+                q = _Queued(sampler.draw(logits, p), lp, before, uniform, p)
+                queued.append(q)
+                if i + 1 < max_tokens:
+                    logits = session.step(q.token)  # queued on the device; the id is read back lag steps later
+                if len(queued) < lag and i + 1 < max_tokens:
+                    continue
+            elif p is not None and not queued:  # one synchronous step
+                token, rewind = sampler.next_id(logits, p), None
                 yield token, lp
-                if more:
+                done += 1
+                if done < max_tokens:
                     logits = session.step(token)
                 continue
-            token = sampler.draw(logits)
-            queued.append((token, lp, session.snapshot(wait=False)))
-            if more:
-                logits = session.step(token)  # queued on the device; the id is read back lag steps later
-            while len(queued) >= lag or (queued and not more):
-                token, lp, rewind = queued.popleft()
-                yield int(token.item()), lp
+            q = queued.popleft()  # read back the oldest id drawn ahead
+            if knobs() != q.params:  # the ids taken since changed its knobs: redraw it, drop what followed
+                session.rewind(q.before)
+                sampler.rng.seek(q.uniform)
+                logits, rewind = session.logits, None
+                queued.clear()
+                continue
+            rewind = q
+            yield int(q.token.item()), q.logprobs
+            done += 1
     except GeneratorExit:
         if rewind is not None:
-            session.restore(rewind)  # drop the id yielded last and every step queued after it
+            session.rewind(rewind.before)  # drop the id yielded last and every step queued after it
+            if queued:
+                sampler.rng.seek(queued[0].uniform)
         raise
 
 

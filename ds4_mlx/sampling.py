@@ -252,19 +252,26 @@ class UniformStream:
     calls) and :meth:`device` (an f32 ``[1]`` view for :func:`sample_on_device`) both take the next value, so
     the k-th draw uses the k-th uniform whichever path it takes. Values reach the device in batches of
     :attr:`BATCH`: a new host array every step would be a page fault on the device's critical path under
-    MLX-CUDA (``fused.resident``)."""
+    MLX-CUDA (``fused.resident``). :meth:`seek` rewinds the stream by up to :attr:`BATCH` values (a pipelined
+    decode redrawing ids it had drawn ahead)."""
 
     BATCH = 256
 
     def __init__(self, seed: int | None = None) -> None:
         self.rng = XorShift64Star(seed)
         self.pos = 0  # index of the next value
-        self._first = 0  # index of _values[0]: the start of pos's batch (earlier values are never read again)
+        self._first = 0  # index of _values[0]: the batch before pos's (older values are never read again)
         self._values: list[float] = []
         self._batch: tuple[int, mx.array] | None = None  # (batch index, device values)
 
+    def seek(self, pos: int) -> None:
+        """Make ``pos`` the index of the next value: the same values are drawn again from there."""
+        if not self._first <= pos:
+            raise ValueError(f"uniform {pos} was dropped (the stream keeps values from {self._first} on)")
+        self.pos = pos
+
     def _value(self, i: int) -> float:
-        start = i - i % self.BATCH
+        start = i - i % self.BATCH - self.BATCH
         if start > self._first:
             del self._values[: start - self._first]
             self._first = start

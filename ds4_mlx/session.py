@@ -121,19 +121,38 @@ class Session:
             return self._run(token.reshape(1).astype(mx.int32), wait=False)
         return self._run([int(token)])
 
-    def snapshot(self, wait: bool = True) -> SessionSnapshot:
-        """An in-memory copy of the state; later calls do not change it.
-
-        ``wait=False`` does not wait for tokens queued by pipelined steps: the copy's ``tokens`` may then hold
-        their lazy ``mx.array`` ids (a rewind point for :func:`~ds4_mlx.generate.decode_tokens`)."""
-        tokens = self.tokens if wait else self._tokens
-        return SessionSnapshot(tuple(tokens), self.logits, tuple(c.snapshot() for c in self.caches))
+    def snapshot(self) -> SessionSnapshot:
+        """An in-memory copy of the state; later calls do not change it."""
+        return SessionSnapshot(tuple(self.tokens), self.logits, tuple(c.snapshot() for c in self.caches))
 
     def restore(self, snap: SessionSnapshot) -> None:
         """Return to ``snap`` (which stays usable: it can be restored again)."""
         self.caches = [c.snapshot() for c in snap.caches]
         self._tokens = list(snap.tokens)
         self.logits = snap.logits
+
+    def rewind_point(self) -> SessionSnapshot:
+        """A mark to come back to with :meth:`rewind` (:func:`~ds4_mlx.generate.decode_tokens` takes one a step).
+
+        Unlike :meth:`snapshot` it does not wait for tokens queued by pipelined steps (its ``tokens`` may hold
+        their lazy ids) and does not hold the compressed-row buffers: while a buffer is held elsewhere, appending
+        a row to it copies the whole buffer instead of writing the row in place. So it is only valid for this
+        session, as long as the session has only moved forward since."""
+        return SessionSnapshot(tuple(self._tokens), self.logits, tuple(c.rewind_point() for c in self.caches))
+
+    def rewind(self, point: SessionSnapshot) -> None:
+        """Go back to ``point`` (from :meth:`rewind_point`); the rows appended since stay in the buffers, unused."""
+        if len(point.tokens) > self.pos:
+            raise ValueError(f"rewind point at {len(point.tokens)} tokens is ahead of the session ({self.pos})")
+        self.caches = [c.rewound(p) for c, p in zip(self.caches, point.caches, strict=True)]
+        self._tokens = list(point.tokens)
+        self.logits = point.logits
+
+    def state_arrays(self) -> list[mx.array]:
+        """What the next tokens depend on: the logits and every layer's raw window, valid compressed rows and
+        compressor frontiers (not the buffers' spare rows). Sessions with equal arrays continue alike."""
+        return _arrays([self.logits] + [(c.raw, c.comp_rows, c.comp_state, c.index_rows, c.index_state)
+                                        for c in self.caches])
 
     @property
     def kv_bytes(self) -> int:

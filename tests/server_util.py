@@ -100,8 +100,14 @@ class FakeSession:
         self.logits = self._logits()
         return self.logits
 
-    def step(self, token: int) -> np.ndarray:
-        return self.prefill([token])
+    def step(self, token) -> np.ndarray:
+        return self.prefill([int(token.item()) if hasattr(token, "item") else token])  # a drawn id (mx.array)
+
+    def rewind_point(self):
+        return list(self.tokens), self.logits
+
+    def rewind(self, point) -> None:
+        self.tokens, self.logits = list(point[0]), point[1]
 
 
 def fake_loader(gguf: Path):

@@ -12,7 +12,7 @@ from ds4_mlx.chat import ThinkMode
 from ds4_mlx.generate import decode_tokens, generate, prompt_tokens, stream_generate
 from ds4_mlx.loader import load
 from ds4_mlx.sampling import GREEDY_PARAMS, Sampler, SamplingParams
-from ds4_mlx.session import Session, _arrays
+from ds4_mlx.session import Session
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_eos_and_think_markers(model, monkeypatch, lag):
 
 
 def _state(s: Session) -> list[np.ndarray]:
-    return [np.array(a) for a in _arrays([s.logits, s.caches])]
+    return [np.array(a) for a in s.state_arrays()]
 
 
 @pytest.mark.parametrize("kw", [dict(seed=4), dict(sampling=GREEDY_PARAMS), dict(seed=3, max_tokens=5),
@@ -155,7 +155,9 @@ def test_decode_tokens_rewinds_when_the_caller_stops(model):
     with pytest.raises(ValueError, match="lag"):
         next(decode_tokens(s, Sampler(seed=9), 5, lag=-1))
     ref = Session(m)
-    ref.prefill(ids + got[:3])
+    ref.prefill(ids)
+    for t in got[:3]:  # the decode path, as the generator ran it (a GPU's prefill rounds differently)
+        ref.step(t)
     np.testing.assert_allclose(np.array(s.logits), np.array(ref.logits), rtol=1e-5, atol=1e-5)
 
 
@@ -168,3 +170,37 @@ def test_generate_returns_text_and_logprobs(model):
     assert lp.shape == (m.cfg.n_vocab,)
     assert abs(float(mx.logsumexp(lp).item())) < 1e-4
     assert out[0].prompt_tps > 0 and out[-1].generation_tps > 0 and out[-1].peak_memory > 0
+
+
+def test_decode_tokens_redraws_ids_whose_knobs_changed(model):
+    """Knobs that depend on the ids already taken (the server's: greedy inside DSML structure) are known only
+    once the host has read those ids: an id drawn ahead with other knobs is redrawn from its own logits and
+    uniform. Ids, final session and the sampler's stream match one synchronous step at a time, through on-device
+    knobs switching between greedy and sampled and host-only ones (top-k); also when the caller stops early."""
+    m, tok = model
+    ids = prompt_tokens(tok, "Knobs")
+    host = SamplingParams(top_k=7)
+
+    def run(lag: int, n: int, stop_after: int | None = None):
+        s, taken, sampler = Session(m), [], Sampler(seed=11)
+        s.prefill(ids)
+
+        def knobs():  # changes every few ids, from the caller's own state
+            k = (sum(taken) + len(taken)) % 5
+            return GREEDY_PARAMS if k < 2 else host if k == 4 else SamplingParams()
+
+        gen = decode_tokens(s, sampler, n, lag=lag, knobs=knobs)
+        for token, _ in gen:
+            taken.append(token)
+            if len(taken) == stop_after:
+                gen.close()
+        return taken, s.tokens, _state(s), sampler.rng.pos
+
+    for n, stop_after in ((24, None), (24, 6), (24, 9), (24, 13)):
+        ref = run(0, n, stop_after)
+        kinds = {(sum(ref[0][:i]) + i) % 5 for i in range(len(ref[0]))}
+        assert {0, 2, 4} <= kinds or {1, 3, 4} <= kinds  # greedy, sampled and host-only knobs all ran
+        for lag in (1, 2):
+            got = run(lag, n, stop_after)
+            assert got[0] == ref[0] and got[1] == ref[1] and got[3] == ref[3], (lag, n, stop_after)
+            assert all(np.array_equal(x, y) for x, y in zip(got[2], ref[2], strict=True))

@@ -414,3 +414,19 @@ def test_host_and_device_draws_share_one_stream_of_uniforms():
         logits = x if i % 2 else mx.array(x)  # numpy logits are accepted on both paths (the server's fake engine)
         assert s.next_id(logits, p) == sample(x, p.temperature, p.top_k, p.top_p, p.min_p, ref), i
     assert s.rng.pos > UniformStream.BATCH
+
+
+def test_uniform_stream_seek_replays_values():
+    """A rewound stream gives the same values again, host and device, across a batch boundary; values older
+    than the previous batch are dropped and seeking to them is an error."""
+    B = UniformStream.BATCH
+    s, ref = UniformStream(21), XorShift64Star(21)
+    want = [ref.uniform() for _ in range(3 * B)]
+    got = [s.uniform() for _ in range(B + 5)]
+    s.seek(B - 3)  # back into the previous batch
+    got_dev = [float(s.device().item()) for _ in range(8)]
+    assert got == want[: B + 5]
+    np.testing.assert_array_equal(np.float32(got_dev), np.float32(want[B - 3 : B + 5]))
+    assert [s.uniform() for _ in range(B + 10)] == want[B + 5 : 2 * B + 15]
+    with pytest.raises(ValueError, match="dropped"):
+        s.seek(B - 1)  # two batches back

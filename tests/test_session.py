@@ -75,6 +75,44 @@ def test_snapshot_restore(model):
     np.testing.assert_array_equal(np.stack(a), np.stack(b))  # same graph, same state: bit-identical
 
 
+def test_rewind_point(model):
+    """A rewind point brings back the state it marked (valid rows, frontiers, logits, tokens): the steps after
+    it repeat bit for bit, across completed windows; it refuses a session that went back past it."""
+    tokens, more = prompt(T), prompt(12, seed=1)[1:]
+    s = Session(model, chunk_size=6)
+    s.prefill(tokens[:30])
+    point, before = s.rewind_point(), [np.array(x) for x in s.state_arrays()]
+    a = [np.array(s.step(t)) for t in tokens[30:] + more]
+    s.rewind(point)
+    assert s.pos == 30 and s.tokens == tokens[:30]
+    assert all(np.array_equal(x, np.array(y)) for x, y in zip(before, s.state_arrays(), strict=True))
+    b = [np.array(s.step(t)) for t in tokens[30:] + more]
+    np.testing.assert_array_equal(np.stack(a), np.stack(b))
+    s.reset()
+    with pytest.raises(ValueError, match="ahead"):
+        s.rewind(point)
+
+
+def test_rewind_point_leaves_row_buffers_unpinned(model):
+    """Holding a snapshot makes the next compressed-row append copy each whole buffer (MLX updates a buffer in
+    place only when nothing else holds it); a rewind point holds none, so decode_tokens can keep one per
+    queued step at any context length."""
+    grown = {}
+    for hold in ("snapshot", "rewind_point"):
+        s = Session(model, reserve=200_000)  # buffers of 50000 ratio-4 rows: a copy is easy to see
+        s.prefill(prompt(7))  # the step at position 7 completes the ratio-4 windows
+        mx.eval(s.state_arrays())
+        mx.synchronize()
+        base = mx.get_active_memory()
+        held = getattr(s, hold)()
+        s.step(5)
+        mx.eval([a for c in s.caches for a in (c.comp, c.index) if a is not None])
+        grown[hold] = mx.get_active_memory() - base
+        del held
+    buffers = sum(c.comp.nbytes + c.index.nbytes for c in s.caches if c.index is not None)
+    assert grown["snapshot"] >= buffers and grown["rewind_point"] < buffers / 20, (grown, buffers)
+
+
 @PREFILL_ROUNDS
 def test_snapshot_restore_then_prefill(model):
     """The snapshot is reusable: a fresh session restored from it and prefilled continues as decode steps do."""

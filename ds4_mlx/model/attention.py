@@ -90,6 +90,17 @@ class LayerCache:
         """An independent copy (cheap: MLX arrays are immutable and the cache only ever rebinds them)."""
         return replace(self)
 
+    def rewind_point(self) -> "LayerCache":
+        """A snapshot without the compressed-row buffers, for :meth:`rewound` (see ``Session.rewind_point``)."""
+        return replace(self, comp=None, index=None)
+
+    def rewound(self, point: "LayerCache") -> "LayerCache":
+        """The state at ``point`` (an earlier :meth:`rewind_point` of this cache), with this cache's row buffers:
+        rows are only ever appended to them, so their first ``n_comp`` / ``n_index`` rows are the point's."""
+        if point.pos > self.pos:
+            raise ValueError(f"rewind point at {point.pos} tokens is ahead of the cache ({self.pos})")
+        return replace(point, comp=self.comp, index=self.index)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the state's contents: the valid rows of the capacity buffers (not their spare room)."""

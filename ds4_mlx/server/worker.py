@@ -14,8 +14,10 @@ objects in a FIFO queue and run one at a time, never interleaved. For each job t
    longest cached rendered-byte prefix on disk (§5.6); a cold prompt is saved at its stable prefix (``cold``),
    long prefills and generations at aligned frontiers (``continued``), the live session at exit (``shutdown``);
 3. samples token by token with ds4's rules (thinking overrides the client's knobs; greedy inside DSML
-   structure; drawn on the device where the knobs allow it, one step at a time since they can change with
-   every token) until EOS, a stop string, ``max_tokens``, a full context, a closed tool block, or a disconnect.
+   structure) until EOS, a stop string, ``max_tokens``, a full context, a closed tool block, or a disconnect.
+   Decoding is pipelined (:func:`~ds4_mlx.generate.decode_tokens`): ids are drawn on the device where the
+   knobs allow it, two steps ahead of the text; an id whose knobs changed meanwhile (a DSML boundary) is
+   redrawn, and the queued steps are dropped at the end and before a continued save.
 
 Events go back to the request's event loop as tuples: ``("start", info)``, ``("prefill", done, total)``,
 ``("text", str)`` and finally ``("done", Result)`` or ``("error", status, message)``.
@@ -24,6 +26,7 @@ Events go back to the request's event loop as tuples: ``("start", info)``, ``("p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..chat import ThinkMode
+from ..generate import DEFAULT_LAG, decode_tokens
 from ..dsml import DSMLTracker, ToolCallDetector
 from ..tokenizer import EOS, THINK, THINK_END, StreamingDetokenizer
 from ..sampling import Sampler, SamplingParams, server_params
@@ -128,13 +132,22 @@ class Job:
         self.cancelled.set()
 
 
+def _forced_ids(session, ids: list[int]):
+    """The test hook's ids (``Job.test_output``) with :func:`~ds4_mlx.generate.decode_tokens`' contract: an id
+    enters the session when the next one is asked for."""
+    for token in ids:
+        yield token, None
+        session.step(token)
+
+
 class Worker:
     """Owns the engine in its own thread. ``load()`` runs in that thread and returns ``(session, tokenizer)``."""
 
     def __init__(self, load: Callable[[], tuple[Any, Any]], *, ctx: int, default_max_tokens: int = 393216,
                  trace: Callable[[str], None] | None = None, kv_dir: str | None = None,
-                 kv_policy: CachePolicy | None = None) -> None:
+                 kv_policy: CachePolicy | None = None, lag: int = DEFAULT_LAG) -> None:
         self._load = load
+        self.lag = lag  # decode steps queued ahead of the id read back (decode_tokens; 0 = synchronous)
         self.ctx = ctx
         self.default_max_tokens = default_max_tokens
         self.trace = trace or (lambda s: None)
@@ -271,12 +284,16 @@ class Worker:
             return None
         return self.tool_memory.for_text(text.decode("utf-8", "replace")) or None
 
-    def _maybe_continued(self) -> None:
+    def _continued_due(self, pos: int) -> bool:
+        """Whether a session of ``pos`` tokens is due a continued save (an aligned frontier not saved yet)."""
         kv = self.kv
         if kv is None:
-            return
-        step, pos = kv.policy.continued_step, self.session.pos
-        if step and pos % step == 0 and pos >= kv.policy.min_tokens and pos > self._last_saved:
+            return False
+        step = kv.policy.continued_step
+        return bool(step) and pos % step == 0 and pos >= kv.policy.min_tokens and pos > self._last_saved
+
+    def _maybe_continued(self) -> None:
+        if self._continued_due(self.session.pos):
             self._save_at("continued")
 
     def stats(self) -> dict:
@@ -466,46 +483,56 @@ class Worker:
         stop_hold = max((len(s) for s in p.stop), default=1) - 1
         raw, sent, n_gen, finish = "", 0, 0, None
 
-        while finish is None:
-            if n_gen >= max_tokens:
-                finish = "length"
-                break
-            if job.cancelled.is_set():
-                finish = "error"
-                break
+        def knobs() -> SamplingParams:  # §3: thinking ignores the client's knobs; §6.2: DSML structure is greedy
+            greedy = tracker is not None and tracker.greedy
+            return server_params(client, thinking=job.mode.thinking, dsml_structure=greedy)
+
+        while finish is None and n_gen < max_tokens:
+            # Pipelined (generate.decode_tokens) until the answer ends or a continued save needs the session
+            # settled at the position of the last id; that id is not in the session when the ids stop coming.
             if forced is not None:
-                token = forced[n_gen] if n_gen < len(forced) else tok.eos_id
+                ids = _forced_ids(self.session, forced[n_gen:] + [tok.eos_id])
             else:
-                # §3: thinking mode ignores the client's knobs; §6.2: DSML structure is sampled greedily
-                sp = server_params(client, thinking=job.mode.thinking,
-                                   dsml_structure=tracker is not None and tracker.greedy)
-                token = sampler.next_id(self.session.logits, sp)  # on the device for greedy / top-p-1 knobs
-            if token == tok.eos_id:
-                finish = "stop"
-                break
-            n_gen += 1
-            piece = detok.add_token(token)
-            raw += piece
-            if p.stop and piece:
-                hits = [i for s in p.stop if s and (i := raw.find(s, max(0, sent - len(s)))) >= 0]
-                if hits:
-                    raw = raw[: min(hits)]
-                    finish = "stop"
-            if finish is None and tracker is not None:
-                tracker.feed(piece)
-                detector.feed(piece)
-                if detector.done:
-                    finish = "tool_calls"
-            if finish != "stop":
-                self.session.step(token)  # the KV holds every emitted token (and the closed tool block)
-                if tracker is None or tracker.state == DecodeState.OUTSIDE:  # never inside a DSML block
-                    self._maybe_continued()
-                if finish is None and self.session.pos >= self.ctx:
-                    finish = "length"
-            commit = len(raw) if finish is not None else len(raw) - stop_hold
-            if commit > sent:
-                job.post("text", raw[sent:commit])
-                sent = commit
+                ids = decode_tokens(self.session, sampler, max_tokens - n_gen, lag=self.lag, knobs=knobs)
+            token, keep, save = None, False, False
+            with contextlib.closing(ids):
+                for token, _ in ids:
+                    keep = save = False  # step this id into the KV / save the session after it
+                    if job.cancelled.is_set():
+                        finish = "error"
+                        break
+                    if token == tok.eos_id:
+                        finish = "stop"
+                        break
+                    n_gen += 1
+                    piece = detok.add_token(token)
+                    raw += piece
+                    if p.stop and piece:
+                        hits = [i for s in p.stop if s and (i := raw.find(s, max(0, sent - len(s)))) >= 0]
+                        if hits:
+                            raw = raw[: min(hits)]
+                            finish = "stop"
+                    if finish is None and tracker is not None:
+                        tracker.feed(piece)
+                        detector.feed(piece)
+                        if detector.done:
+                            finish = "tool_calls"
+                    if finish is None and n_gen >= max_tokens:  # max_tokens also ends at a full context
+                        finish = "length"
+                    keep = finish != "stop"  # the KV holds every emitted token (and the closed tool block)
+                    outside = tracker is None or tracker.state == DecodeState.OUTSIDE  # never save inside DSML
+                    save = keep and outside and self._continued_due(P + n_gen)
+                    commit = len(raw) if finish is not None else len(raw) - stop_hold
+                    if commit > sent:
+                        job.post("text", raw[sent:commit])
+                        sent = commit
+                    if finish is not None or save:
+                        break
+            if keep:
+                self.session.step(token)
+            if save:
+                self._save_at("continued")
+        finish = finish or "length"  # max_tokens == 0
         if not (finish == "stop" and p.stop and len(raw) < len(detok.text)):  # not cut by a stop string
             raw += detok.finalize()
         if len(raw) > sent:
