@@ -185,3 +185,25 @@ def test_every_subcommand_is_registered():
         assert cmd in r.output, cmd
     assert runner.invoke(app, ["kv", "--help"]).exit_code == 0
     assert "plot" in runner.invoke(app, ["bench", "--help"]).output
+
+
+def test_cuda_graph_batching_default(monkeypatch):
+    """On a CUDA machine the package sets MLX-CUDA's graph batching unless the user set either variable;
+    elsewhere (Metal, CPU) it leaves MLX's defaults."""
+    import mlx.core as mx
+
+    import ds4_mlx
+
+    keys = ds4_mlx.CUDA_GRAPH_BATCHING
+    for k in keys:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    ds4_mlx._batch_cuda_graphs()
+    assert not any(k in os.environ for k in keys)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "20")
+    ds4_mlx._batch_cuda_graphs()
+    assert os.environ["MLX_MAX_OPS_PER_BUFFER"] == "20" and "MLX_MAX_MB_PER_BUFFER" not in os.environ
+    monkeypatch.delenv("MLX_MAX_OPS_PER_BUFFER")
+    ds4_mlx._batch_cuda_graphs()
+    assert {k: os.environ[k] for k in keys} == keys
