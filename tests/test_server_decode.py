@@ -15,6 +15,7 @@ from ds4_mlx.kvstore import CachePolicy, read_kv_file, session_from_file
 from ds4_mlx.loader import load
 from ds4_mlx.server.worker import GenParams, Job, Worker
 from ds4_mlx.session import Session
+from server_util import FakeSession, dsml_call
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,54 @@ def test_continued_save_in_the_middle_of_a_pipelined_generation(engine, tmp_path
     for t in ref_tokens[frontier:]:  # decoded, as the worker went on from there
         s.step(t)
     np.testing.assert_allclose(np.array(s.logits), ref_state[0], rtol=1e-4, atol=1e-4)
+
+
+class ScriptedSession(FakeSession):
+    """The fake engine writing ``script`` after the prompt: the next script token gets a large logit, and a
+    ``noise`` token one a ninth as likely, so greedy draws follow the script and sampled ones stray into noise a
+    tenth of the time (noise does not advance the script). Counts rewinds."""
+
+    def __init__(self, vocab: int, script: list[int], prompt_len: int, noise: int) -> None:
+        self.script, self.prompt_len, self.noise, self.rewinds = script, prompt_len, noise, 0
+        super().__init__(vocab)
+
+    def _logits(self):
+        x = super()._logits()
+        done = sum(t != self.noise for t in self.tokens[self.prompt_len :])
+        if self.pos >= self.prompt_len and done < len(self.script):
+            x[self.script[done]] += 40.0
+            x[self.noise] = x[self.script[done]] - np.log(9.0)
+        return x
+
+    def rewind(self, point) -> None:
+        self.rewinds += 1
+        super().rewind(point)
+
+
+def test_tool_call_redraws_ids_at_dsml_boundaries(engine):
+    """A sampled answer that writes a tool call: the knobs switch to greedy inside DSML structure and back, so
+    ids drawn two steps ahead are redrawn at each boundary (the session rewinds); the answer, the call and
+    the live tokens are those of synchronous steps (ids drawn with the wrong knobs would put noise into the
+    structure, or leave it out of the text, and shift the stream of uniforms)."""
+    _, tok = engine
+    text = tok.decode(cli_prompt_tokens(tok, "List files", mode=ThinkMode.NONE))
+    prompt = tok.encode_chat(text)
+    script = tok.encode_chat("Sure, listing." + dsml_call("bash", {"command": "ls -la"}))
+    (noise,) = tok.encode("z")
+    out = {}
+    for lag in (0, 2):
+        session = ScriptedSession(tok.vocab_size, script, len(prompt), noise)
+        worker = Worker(lambda: (session, tok), ctx=4096, lag=lag)
+        worker.start()
+        assert worker.ready.wait(60)
+        done, res = threading.Event(), []
+        worker.submit(Job("chat", text, prompt, ThinkMode.NONE, GenParams(seed=19, max_tokens=300), tools_active=True,
+                          on_result=lambda r: (res.append(r), done.set())))
+        assert done.wait(120)
+        worker.stop()
+        out[lag] = (res[0].finish, res[0].text, res[0].completion_tokens, list(session.tokens), session.rewinds)
+    finish, answer, n, _, rewinds = out[0]  # seed 19: noise in the prose and in the value, none in structure
+    assert finish == "tool_calls" and rewinds == 0 and n > len(script)
+    assert answer.replace("z", "") == tok.decode(script).replace("z", "")
+    assert out[2][:4] == out[0][:4]
+    assert out[2][4] >= 2  # into the structure and out again, at least
