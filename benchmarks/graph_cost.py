@@ -8,10 +8,10 @@ On the H200 a decode step is host-bound: every MLX op costs the host ~5-7 µs to
 measured here: a narrow model with the real layer pattern (``--layers`` layers of ratios 0, 0, 4, 128, 4, ...)
 runs the GPU dispatch path with every custom-kernel launch replaced by a constant output of the right
 shape (the wrappers' Python still runs). Reported: Python time to build one step's graph, the arrays the
-kernel launches write and read (MLX's encode of a launch grows with both), and the step's
-op count split into kernel launches, compute ops and view ops (reshape, slice, broadcast, ...: no device work,
-but MLX still replays and encodes each one: the Nsight Systems timeline of benchmarks/timeline.py counted
-~890 a step at the full shape, against 941 kernel launches).
+kernel launches write and read (MLX's encode of a launch grows with both; ``by_kernel``: launches and arrays
+written per kernel), and the step's op count split into kernel launches, compute ops and view ops (reshape,
+slice, broadcast, ...: no device work, but MLX still replays and encodes each one: the Nsight Systems timeline
+of benchmarks/timeline.py counted ~890 a step at the full shape, against 941 kernel launches).
 """
 
 from __future__ import annotations
@@ -63,17 +63,22 @@ def _zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
 
 class FakeKernels:
     """Swap every custom-kernel launch for one ``Depends`` node: outputs of the right shape (zeros) that
-    depend on the launch's inputs, so the graph (compiled or not) keeps everything upstream of a kernel."""
+    depend on the launch's inputs, so the graph (compiled or not) keeps everything upstream of a kernel.
+    ``launches`` / ``outputs`` count, by kernel, the launches built and the arrays they write (a compiled step
+    builds its launches only when it is traced)."""
 
     def __init__(self):
         from ds4_mlx.weights import _kernels
 
         self.K = _kernels()
         self.F = self.K.fused
+        self.launches: collections.Counter = collections.Counter()
+        self.outputs: collections.Counter = collections.Counter()
 
-    @staticmethod
-    def _fake(kind, backend, *variant):
+    def _fake(self, kind, backend, *variant):
         def launch(*, inputs, output_shapes, output_dtypes, **_):
+            self.launches[kind] += 1
+            self.outputs[kind] += len(output_shapes)
             return mx.depends([_zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)], list(inputs))
 
         return launch
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     tok = mx.array([int(mx.argmax(sess.logits).item())], dtype=mx.int32)
 
     model.set_compile_decode(not args.no_compile)
-    with FakeKernels():
+    with FakeKernels() as fake:
         def build():
             caches = [c.snapshot() for c in sess.caches]
             logits = model(tok, sess.pos, caches)
@@ -135,9 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
         rms_norm = mx.fast.rms_norm
         mx.fast.rms_norm = lambda x, w, eps: mx.erf(x)
         try:
-            if not args.no_compile:  # trace again with the stand-in (a compiled step replays its first trace)
-                for layer in model.layers:
-                    layer._steps.clear()
+            model.set_compile_decode(not args.no_compile)  # trace again: a compiled step replays its first trace
+            fake.launches.clear()
+            fake.outputs.clear()
             counts = op_counts(build())
         finally:
             mx.fast.rms_norm = rms_norm
@@ -158,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
         "view_ops": views,
         "launches_per_layer": (calls + compute) / args.layers,  # what the GPU runs (views run nothing there)
         "top_compute_ops": dict(collections.Counter({k: v for k, v in counts.items() if k not in VIEW_OPS}).most_common(12)),
+        # [launches, arrays written] a step by kernel, most arrays first: each array costs an allocation
+        "by_kernel": {k: [fake.launches[k], n] for k, n in fake.outputs.most_common()},
     }
     print(json.dumps(res, indent=1))
     if args.json:

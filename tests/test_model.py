@@ -138,6 +138,9 @@ def test_decode_step_launch_budget():
     assert res["kernel_launches"] < res["kernel_outputs"] < 2 * res["kernel_launches"] < res["kernel_inputs"], res
     assert res["launches_per_layer"] <= 22.5, res
     assert res["view_ops"] <= 10 * 6, res
+    # the per-kernel counts of the stand-ins add up to what the graph holds
+    assert [sum(v[i] for v in res["by_kernel"].values()) for i in (0, 1)] == [res["kernel_launches"],
+                                                                              res["kernel_outputs"]], res
     res = gc.main(["--layers", "6", "--ctx", "67", "--reps", "2"])  # this step completes the ratio-4 windows
     assert res["launches_per_layer"] <= 24, res
     assert res["view_ops"] <= 11 * 6, res
