@@ -9,8 +9,8 @@ step), ``lag2`` and ``nowait`` (read back only at the end). If the host were the
 whole length to the step and a deeper queue would change nothing; if the device were, the sleep would vanish
 into the host's wait. Then what the package's generation loop adds to ``lag2``: ids drawn by ds4's default
 sampler on the device (``lag2 sampler``), a rewind point per queued step (``lag2 snapshots``:
-``Session.rewind_point``), both, and ``decode_tokens`` itself. Reported per variant: ms/token and the host's ms/token spent
-waiting for a token (not split out for ``decode_tokens``).
+``Session.rewind_point``), both, and ``decode_tokens`` itself. Reported per variant: ms/token and the host's
+ms/token spent waiting for a token (not split out for ``decode_tokens``).
 """
 
 from __future__ import annotations

@@ -147,14 +147,17 @@ def decode_tokens(
     queued: deque[_Queued] = deque()
     rewind: _Queued | None = None  # the id yielded last, if it was drawn ahead
     done = 0  # ids yielded
+
+    def log_probs(x: mx.array) -> mx.array | None:  # of a drawn id's logits
+        return x - mx.logsumexp(x) if logprobs else None
+
     try:
         while done < max_tokens:
             i = done + len(queued)  # the next id to draw
             p = knobs() if i < max_tokens else None
-            lp = logits - mx.logsumexp(logits) if logprobs else None
             if p is not None and lag and on_device(p):
                 before, uniform = session.rewind_point(), sampler.rng.pos
-                q = _Queued(sampler.draw(logits, p), lp, before, uniform, p)
+                q = _Queued(sampler.draw(logits, p), log_probs(logits), before, uniform, p)
                 queued.append(q)
                 if i + 1 < max_tokens:
                     logits = session.step(q.token)  # queued on the device; the id is read back lag steps later
@@ -162,7 +165,7 @@ def decode_tokens(
                     continue
             elif p is not None and not queued:  # one synchronous step
                 token, rewind = sampler.next_id(logits, p), None
-                yield token, lp
+                yield token, log_probs(logits)
                 done += 1
                 if done < max_tokens:
                     logits = session.step(token)

@@ -310,11 +310,6 @@ class Sampler:
         p = params or self.params
         return sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, self.rng)
 
-    @property
-    def on_device(self) -> bool:
-        """Whether :meth:`draw` can sample with this sampler's knobs (:func:`on_device`)."""
-        return on_device(self.params)
-
     def draw(self, logits: mx.array, params: SamplingParams | None = None) -> mx.array:
         """The next id as a lazy int32 ``[1]``, drawn on the device (the knobs must pass :func:`on_device`);
         the k-th draw (host or device) uses the k-th uniform."""
