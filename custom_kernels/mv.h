@@ -110,6 +110,54 @@ DS_FN float ds_dot32(int qt, const DS_TG uint8_t* row, uint32_t u, const DS_THR 
 }
 
 
+// Octet lanes (the types of the hot decode launches: Q8_0, Q2_K, IQ2_XXS). Lane L of a span takes the
+// 8-weight octets L, L+32, L+64, L+96 (unit o/4, its octet o%4) instead of unit L: its activations are then 32
+// bytes in every 1 KB that the warp reads together, 8 cache lines a load instead of 32 (a lane per unit reads
+// 128 B of its own, a line per lane), and the lanes of one pass read the weight bytes of one or two blocks.
+DS_FN constexpr bool ds_octet_lanes(int qt) { return qt == DS_Q8_0 || qt == DS_Q2_K || qt == DS_IQ2_XXS; }
+
+// Dot of octet o of `row` (staged bytes; `grid` = the IQ2 grid there) with x[0..7] in registers.
+DS_FN float ds_dot8(int qt, const DS_TG uint8_t* row, uint32_t o, const DS_THR float* x, const DS_TG uint32_t* grid) {
+  const uint32_t u = o >> 2, k = o & 3u;
+  float s = 0.0f;
+  if (qt == DS_Q8_0) {
+    const DS_TG uint8_t* b = row + 34u * u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t q = ds_tld16(b + 2 + 8 * k + 2 * i);
+      s = DS_FMA(ds_s8f(q & 255u), x[2 * i], s);
+      s = DS_FMA(ds_s8f(q >> 8), x[2 * i + 1], s);
+    }
+    return ds_tf16(b) * s;
+  } else if (qt == DS_Q2_K) {  // octet k of unit r: bytes 8k.. of its 32 (group k/2 of 16 weights), plane r%4
+    const DS_TG uint8_t* b = row + 84u * (u >> 3);
+    const uint32_t r = u & 7u, sh = 2u * (r & 3u);
+    const DS_TG uint8_t* q = b + 16 + 32 * (r >> 2) + 8 * k;
+    const uint32_t w0 = ds_tld32(q) >> sh, w1 = ds_tld32(q + 4) >> sh;
+    float xs = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      s = DS_FMA(ds_u2f((w0 >> (8 * j)) & 3u), x[j], s);
+      s = DS_FMA(ds_u2f((w1 >> (8 * j)) & 3u), x[4 + j], s);
+      xs += x[j] + x[4 + j];
+    }
+    const uint32_t sc = b[2 * r + (k >> 1)];
+    return ds_tf16(b + 80) * float(sc & 15u) * s - ds_tf16(b + 82) * float(sc >> 4) * xs;
+  } else {  // DS_IQ2_XXS: grid index = byte k of the unit's first word, signs = bits 7k.. of the second
+    const DS_TG uint8_t* b = row + 66u * (u >> 3);
+    const DS_TG uint8_t* g = b + 2 + 8 * (u & 7u);
+    const uint32_t gi = g[k], B = ds_tld32_a2(g + 4);
+    const uint32_t sg = ds_iq2_signs((B >> (7 * k)) & 127u);
+    const uint32_t lo = grid[2 * gi], hi = grid[2 * gi + 1];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float v = ds_byte_f(j < 4 ? lo : hi, j & 3);
+      s = DS_FMA(DS_U32_AS_F(DS_F_AS_U32(v) ^ (((sg >> j) & 1u) << 31)), x[j], s);  // sign by bit flip
+    }
+    return ds_tf16(b) * (0.5f + float(B >> 28)) * 0.25f * s;
+  }
+}
+
 // The span loop of one pair of mv.body, for weights of type QX: rows at wa + off (and, NW == 2, the second
 // weight's at wb + off_b), rb bytes apart, staged SPAN bytes apart; acc[NR·NW] gathers each row's dot with
 // x = xr (EPI 3: x·nw, its Σx² into ssq). A function of the type, so one launch can read two types (the
@@ -135,13 +183,19 @@ DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_
     const uint32_t nu = n_units - u0 < 32u ? n_units - u0 : 32u;
     const uint32_t un = u0 + 32 * KS;  // this simdgroup's next span
     float xv[32];
-    if (lane < nu) {  // issued before the wait: in flight with the staged copy
-      const DS_DEV float4* xp = (const DS_DEV float4*)(xr + 32 * (u0 + lane));
+    constexpr bool OCT = ds_octet_lanes(QX);
+    if (OCT || lane < nu) {  // issued before the wait: in flight with the staged copy
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        float4 t = xp[i];
+        // lane's unit: floats 32·lane + 4i; octet lanes: octet lane + 32·(i/2), its half i%2
+        const uint32_t e = OCT ? 8 * (lane + 32 * (i >> 1)) + 4 * (i & 1) : 32 * lane + 4 * i;
+        if (OCT && e >= 32u * nu) {  // past K (a short last span)
+          xv[4 * i] = xv[4 * i + 1] = xv[4 * i + 2] = xv[4 * i + 3] = 0.0f;
+          continue;
+        }
+        float4 t = *((const DS_DEV float4*)(xr + 32 * u0 + e));
         if (EPI == 3) {  // x^2 summed, x scaled by the norm weight (16-byte loads); 1/rms scales the row sums
-          const float4 n = ((const DS_DEV float4*)(nw + 32 * (u0 + lane)))[i];
+          const float4 n = *((const DS_DEV float4*)(nw + 32 * u0 + e));
           ssq = DS_FMA(t.w, t.w, DS_FMA(t.z, t.z, DS_FMA(t.y, t.y, DS_FMA(t.x, t.x, ssq))));
           t.x *= n.x; t.y *= n.y; t.z *= n.z; t.w *= n.w;
         }
@@ -152,7 +206,18 @@ DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_
     DS_ASYNC_COMMIT();
     DS_ASYNC_WAIT_PREV();  // this span's copy has landed (the next one may still be in flight)
     DS_SIMD_BARRIER_TG();
-    if (lane < nu) {
+    if (OCT) {
+      const DS_TG uint8_t* cur = stage + buf * NRW * SPAN;
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const uint32_t o = lane + 32 * p;
+        if (o >= 4 * nu) break;  // octets past K (uniform per p but for the last span's partial pass)
+#pragma unroll
+        for (int r = 0; r < NRW; ++r) {
+          if ((uint32_t)(r % NR) < nrows) acc[r] += ds_dot8(QX, cur + r * SPAN, o, xv + 8 * p, grid);
+        }
+      }
+    } else if (lane < nu) {
       const DS_TG uint8_t* cur = stage + buf * NRW * SPAN;
       float xs[2] = {0.0f, 0.0f};
       if (QX == DS_Q2_K || QX == DS_Q4_K) {

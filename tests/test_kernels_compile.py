@@ -210,7 +210,7 @@ def test_kernel_sources_stay_small():
     budget: the IQ2 grid only where IQ2_XXS weights are read, block decoding only in the quant kernels."""
     for inst in kernels.instantiations():
         size = len(kernels.render_header(inst.kind, "metal", inst.iq2_grid)) + len(kernels.render_source(inst.kind, "metal"))
-        assert size <= (22_000 if inst.iq2_grid else 15_500), (inst.tag, size)  # mv: 17.7 + 4.1 KB / 11.1 + 4.1 KB
+        assert size <= (24_500 if inst.iq2_grid else 17_800), (inst.tag, size)  # mv: 19.8 + 4.1 KB / 13.2 + 4.1 KB
     assert "0x" not in kernels.render_header("mv", "cuda", False).split("DS_IQ2_GRID_WORDS", 1)[1].split("\n", 1)[0]
     for kind in kernels.fused.SPECS:
         size = len(kernels.fused.render_fused_header("metal", kind)) + len(kernels.render_source(kind, "metal"))
