@@ -9,13 +9,16 @@ step), ``lag2`` and ``nowait`` (read back only at the end). If the host were the
 whole length to the step and a deeper queue would change nothing; if the device were, the sleep would vanish
 into the host's wait. Then what the package's generation loop adds to ``lag2``: ids drawn by ds4's default
 sampler on the device (``lag2 sampler``), a rewind point per queued step (``lag2 snapshots``:
-``Session.rewind_point``), both, and ``decode_tokens`` itself. Reported per variant: ms/token and the host's
-ms/token spent waiting for a token (not split out for ``decode_tokens``).
+``Session.rewind_point``), both, and ``decode_tokens`` itself (at its defaults: on CUDA, from an encoder thread).
+``lag2 thread`` / ``lag1 thread`` queue the bare loop's steps from a ``StepEncoder`` thread, so MLX's encode
+of a step overlaps the Python that builds the next. Reported per variant: ms/token and the host's ms/token
+spent waiting for a token (not split out for ``decode_tokens``; with a thread, the wait includes the encoder's).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -28,38 +31,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import model as bench  # noqa: E402  (benchmarks/model.py: the shapes, weights and warm-up it times with)
 from ds4_mlx.sampling import DEFAULT_PARAMS, Sampler  # noqa: E402
-from ds4_mlx.session import STATE_EVAL_EVERY, Session  # noqa: E402
+from ds4_mlx.session import STATE_EVAL_EVERY, Session, StepEncoder  # noqa: E402
 
 VARIANTS = {"lag1": dict(lag=1), "lag1+3ms": dict(lag=1, delay=0.003), "lag1+6ms": dict(lag=1, delay=0.006),
             "lag2": dict(lag=2), "nowait": dict(lag=None),
             "lag2 sampler": dict(lag=2, sampler=True), "lag2 snapshots": dict(lag=2, snapshots=True),
             "lag2 sampler+snapshots": dict(lag=2, sampler=True, snapshots=True),
-            "decode_tokens": dict(lag=2, loop=True)}  # at generate.DEFAULT_LAG (2)
+            "decode_tokens": dict(lag=2, loop=True),  # at generate.DEFAULT_LAG (2)
+            "lag2 thread": dict(lag=2, thread=True), "lag1 thread": dict(lag=1, thread=True)}
 
 
 def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampler: bool = False,
-        snapshots: bool = False, loop: bool = False) -> tuple[float, float]:
+        snapshots: bool = False, loop: bool = False, thread: bool = False) -> tuple[float, float]:
     """(ms/token, wait ms/token) of ``n`` steps from ``start``; ``lag=None`` reads tokens back only at the end.
     ``sampler``: ids drawn by ds4's default sampler on the device instead of argmax; ``snapshots``: a session
     rewind point kept for each of the last ``lag`` steps (as ``decode_tokens`` does); ``loop``: the package's
-    own loop (``generate.decode_tokens``, at its default lag, timed by ``model.generate_seconds``)."""
+    own loop (``generate.decode_tokens`` at its defaults, timed by ``model.generate_seconds``); ``thread``: the
+    steps queued from a ``StepEncoder`` thread."""
     sess.restore(start)
     if loop:
         return bench.generate_seconds(sess, n) * 1e3, float("nan")
-    pick = Sampler(DEFAULT_PARAMS, seed=0).draw if sampler else mx.argmax
-    toks, snaps = [pick(sess.logits)], []
-    wait, t0 = 0.0, time.perf_counter()
-    for _ in range(n):
-        if snapshots:
-            snaps = (snaps + [sess.rewind_point()])[-lag:]
-        toks.append(pick(sess.step(toks[-1])))
-        if delay:
-            time.sleep(delay)
-        if lag is not None and len(toks) > lag:
-            t = time.perf_counter()
-            toks[-1 - lag].item()
-            wait += time.perf_counter() - t
-    toks[-1].item()
+    with StepEncoder(sess) if thread else contextlib.nullcontext() as enc:
+        pick = Sampler(DEFAULT_PARAMS, seed=0).draw if sampler else mx.argmax
+        toks, snaps, queued = [pick(sess.logits)], [], []  # queued[j]: step j (which takes toks[j]) is queued
+        wait, t0 = 0.0, time.perf_counter()
+        for _ in range(n):
+            if snapshots:
+                snaps = (snaps + [sess.rewind_point()])[-lag:]
+            toks.append(pick(sess.step(toks[-1])))
+            if enc:
+                queued.append(enc.last)
+            if delay:
+                time.sleep(delay)
+            if lag is not None and len(toks) > lag:
+                t = time.perf_counter()
+                if enc:
+                    enc.wait(queued[len(toks) - 1 - lag])
+                toks[-1 - lag].item()
+                wait += time.perf_counter() - t
+        if enc:
+            enc.drain()
+        toks[-1].item()
     return (time.perf_counter() - t0) / n * 1e3, wait / n * 1e3
 
 

@@ -7,6 +7,10 @@ memory. The model itself is stateless, so several sessions can share one :class:
 
 from __future__ import annotations
 
+import functools
+import queue
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -63,6 +67,7 @@ class Session:
         self.model = model
         self.chunk_size = chunk_size
         self.reserve = reserve
+        self.queue_work = mx.async_eval  # how a pipelined step is queued (StepEncoder hands it to its thread)
         self.reset()
 
     def reset(self) -> None:
@@ -91,7 +96,7 @@ class Session:
         if n > 1 or self._lazy_steps >= STATE_EVAL_EVERY:
             work.append(_arrays(self.caches))  # materialize the state too, so lazy chains stay short
             self._lazy_steps = 0
-        (mx.eval if wait else mx.async_eval)(work)
+        (mx.eval if wait else self.queue_work)(work)
         self._tokens.extend(tokens if isinstance(tokens, list) else [tokens[0]])
         self.logits = logits
         return logits
@@ -159,3 +164,88 @@ class Session:
         """Bytes of every layer's KV state (raw windows, valid compressed rows, frontiers), as ds4-bench's
         ``kvcache_bytes`` counts it: what the state holds, not the spare capacity of its buffers."""
         return sum(c.nbytes for c in self.caches)
+
+
+@functools.cache
+def _shared_stream() -> mx.Stream:
+    """A stream any thread may evaluate on (MLX's own streams belong to the thread that made them)."""
+    return mx.new_thread_unsafe_stream(mx.default_device())
+
+
+class StepEncoder:
+    """Queues a session's pipelined steps from a thread of its own.
+
+    MLX encodes a step's graph for the device inside ``mx.async_eval`` (C++, without the GIL), and the host
+    builds the next step in Python: in one thread the two add up, here they overlap (on the H200 the threaded
+    loop took 0.83-0.86x the time a step of the single-threaded one; benchmarks/RESULTS.md, seventeenth
+    session). Use as a context manager around the steps: while it is open the session's pipelined steps
+    (``Session.step`` with a lazy token) are built on a stream every thread may use and evaluated only by
+    this thread, and the caller reads a step's arrays only after :meth:`wait` on the event :meth:`submit`
+    returned (or after :meth:`drain`); anything else it evaluates needs :meth:`drain` first.
+    """
+
+    def __init__(self, session: Session, switch_interval: float = 2e-4) -> None:
+        self.session = session
+        self._switch = switch_interval
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._last = threading.Event()
+        self._last.set()
+        self._error: BaseException | None = None
+
+    def __enter__(self) -> StepEncoder:
+        # what the next step reads must not be a lazy array of this thread's stream (the worker cannot run it)
+        mx.eval(self.session.state_arrays())
+        self._stream = mx.stream(_shared_stream())
+        self._stream.__enter__()
+        # the worker takes the GIL for a moment between steps; Python's 5 ms hand-over would stall it
+        self._interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._interval, self._switch))
+        self._thread = threading.Thread(target=self._work, name="ds4-mlx-step-encoder", daemon=True)
+        self._thread.start()
+        self.session.queue_work = self.submit
+        return self
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            work, done = job
+            try:
+                if self._error is None:
+                    mx.async_eval(work)
+            except BaseException as e:  # raised in the caller's thread at its next wait
+                self._error = e
+            finally:
+                done.set()
+
+    def submit(self, work) -> threading.Event:
+        """Queue ``work`` (arrays) for the worker; the event is set once it is on the device."""
+        self._raise()
+        done = threading.Event()
+        self._jobs.put((work, done))
+        self._last = done
+        return done
+
+    @property
+    def last(self) -> threading.Event:
+        """The event of the newest :meth:`submit` (the session's last pipelined step)."""
+        return self._last
+
+    def wait(self, done: threading.Event) -> None:
+        done.wait()
+        self._raise()
+
+    def drain(self) -> None:
+        """Wait until everything submitted is on the device (the worker is then idle)."""
+        self.wait(self._last)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("a decode step failed to queue on the device") from self._error
+
+    def __exit__(self, *exc) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        self.session.queue_work = mx.async_eval
+        sys.setswitchinterval(self._interval)
+        self._stream.__exit__(*exc)
+        if exc[0] is None:
+            self._raise()

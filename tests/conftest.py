@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 from pathlib import Path
 
 import pytest
@@ -23,3 +25,12 @@ def tiny_gguf(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(params=[False, True], ids=["one-thread", "encode-thread"])
+def encode_thread(request, monkeypatch):
+    """Both ways ``decode_tokens`` queues its pipelined steps: from the caller's thread, and from a
+    ``StepEncoder`` thread (its default on CUDA only, so forced on here)."""
+    generate = importlib.import_module("ds4_mlx.generate")  # the package's ``generate`` is the function
+    monkeypatch.setattr(generate, "kernel_backend", lambda: "cuda" if request.param else "fallback")
+    return request.param

@@ -109,6 +109,9 @@ class FakeSession:
     def rewind(self, point) -> None:
         self.tokens, self.logits = list(point[0]), point[1]
 
+    def state_arrays(self) -> list:
+        return []  # no MLX state (a StepEncoder has nothing to settle first)
+
 
 def fake_loader(gguf: Path):
     def load():

@@ -123,7 +123,7 @@ def _state(s: Session) -> list[np.ndarray]:
 @pytest.mark.parametrize("kw", [dict(seed=4), dict(sampling=GREEDY_PARAMS), dict(seed=3, max_tokens=5),
                                 dict(sampling=SamplingParams(top_k=5), seed=2)], ids=["seeded", "greedy", "length",
                                                                                       "host-sampler"])
-def test_pipelined_decode_is_the_synchronous_one(model, kw):
+def test_pipelined_decode_is_the_synchronous_one(model, kw, encode_thread):
     """Queued steps (lag 1, 2) give the tokens, text and final session of one step at a time (lag 0): the
     steps queued past the end (stop string or max_tokens) are rewound."""
     m, tok = model
@@ -143,7 +143,7 @@ def test_pipelined_decode_is_the_synchronous_one(model, kw):
     assert len(runs[0][2]) == len(prompt_tokens(tok, "Hello")) + sum(t is not None for t in runs[0][0]) - 1
 
 
-def test_decode_tokens_rewinds_when_the_caller_stops(model):
+def test_decode_tokens_rewinds_when_the_caller_stops(model, encode_thread):
     m, tok = model
     ids = prompt_tokens(tok, "Stop early")
     s = Session(m)
@@ -161,7 +161,7 @@ def test_decode_tokens_rewinds_when_the_caller_stops(model):
     np.testing.assert_allclose(np.array(s.logits), np.array(ref.logits), rtol=1e-5, atol=1e-5)
 
 
-def test_generate_returns_text_and_logprobs(model):
+def test_generate_returns_text_and_logprobs(model, encode_thread):
     m, tok = model
     text = generate(m, tok, "Hello", max_tokens=6, seed=2)
     assert isinstance(text, str) and text
@@ -172,7 +172,7 @@ def test_generate_returns_text_and_logprobs(model):
     assert out[0].prompt_tps > 0 and out[-1].generation_tps > 0 and out[-1].peak_memory > 0
 
 
-def test_decode_tokens_redraws_ids_whose_knobs_changed(model):
+def test_decode_tokens_redraws_ids_whose_knobs_changed(model, encode_thread):
     """Knobs that depend on the ids already taken (the server's: greedy inside DSML structure) are known only
     once the host has read those ids: an id drawn ahead with other knobs is redrawn from its own logits and
     uniform. Ids, final session and the sampler's stream match one synchronous step at a time, through on-device

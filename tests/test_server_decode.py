@@ -47,7 +47,7 @@ def _state(s: Session) -> list[np.ndarray]:
 @pytest.mark.parametrize("params", [GenParams(seed=5, max_tokens=14), GenParams(temperature=0, max_tokens=9),
                                     GenParams(top_k=6, seed=8, max_tokens=10), GenParams(seed=5, max_tokens=30)],
                          ids=["seeded", "greedy", "host-sampler", "stop-string"])
-def test_pipelined_worker_answers_as_synchronous_steps(engine, params):
+def test_pipelined_worker_answers_as_synchronous_steps(engine, params, encode_thread):
     if params.max_tokens == 30:  # a stop string from the middle of the seeded answer
         text = serve(engine, params, lag=0)[0].text
         params.stop = [text[len(text) // 2 :][:2]]
@@ -61,7 +61,7 @@ def test_pipelined_worker_answers_as_synchronous_steps(engine, params):
     assert ref.finish == ("stop" if params.stop else "length")
 
 
-def test_continued_save_in_the_middle_of_a_pipelined_generation(engine, tmp_path):
+def test_continued_save_in_the_middle_of_a_pipelined_generation(engine, tmp_path, encode_thread):
     """The save lands at the aligned frontier with exactly the session's first tokens, and the answer goes on
     as with synchronous steps (the same saves, so the same prefill chunks: a GPU's prefill rounds by chunk)."""
     model, _ = engine
@@ -107,7 +107,7 @@ class ScriptedSession(FakeSession):
         super().rewind(point)
 
 
-def test_tool_call_redraws_ids_at_dsml_boundaries(engine):
+def test_tool_call_redraws_ids_at_dsml_boundaries(engine, encode_thread):
     """A sampled answer that writes a tool call: the knobs switch to greedy inside DSML structure and back, so
     ids drawn two steps ahead are redrawn at each boundary (the session rewinds); the answer, the call and
     the live tokens are those of synchronous steps (ids drawn with the wrong knobs would put noise into the

@@ -8,7 +8,7 @@ import pytest
 
 from ds4_mlx.loader import load
 from ds4_mlx.numerics import PROFILES
-from ds4_mlx.session import Session
+from ds4_mlx.session import Session, StepEncoder
 from ds4_mlx.kernels.sim import compiler
 from ds4_mlx.weights import kernel_backend, set_kernel_backend
 
@@ -236,3 +236,25 @@ def test_reserved_buffers_keep_compiled_steps(model, monkeypatch):
     assert late_grown and min(late_grown) == 67  # the step whose window completion needs the 17th row
     assert late_kept == [] and traced_at  # (traced_at: the reserved run traced its steps early on)
     assert _rel(kept, grown) <= 1e-5
+
+
+def test_step_encoder_queues_steps_and_reports_a_failed_one(tiny_gguf):
+    """Steps queued from the encoder thread compute what the caller's own queueing does; a step the worker
+    cannot queue (here: an array of the caller's own stream, which MLX lets no other thread run) fails the
+    caller's next wait with the cause attached, and the session queues from its own thread again."""
+    m, _ = load(tiny_gguf())
+    toks = prompt(12, seed=3)
+    ref, s = Session(m), Session(m)
+    ref.prefill(toks)
+    s.prefill(toks)
+    want = ref.step(mx.array([5]))
+    with StepEncoder(s) as enc:
+        got = s.step(mx.array([5]))
+        enc.wait(enc.last)
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+    foreign = mx.ones((3,)) + 1  # lazy, on this thread's stream
+    with pytest.raises(RuntimeError, match="failed to queue") as err:
+        with StepEncoder(s) as enc:
+            enc.wait(enc.submit([foreign]))
+    assert "Stream" in str(err.value.__cause__)
+    assert s.queue_work is mx.async_eval
