@@ -5,6 +5,7 @@ session at its aligned frontier."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -48,6 +49,7 @@ def _state(s: Session) -> list[np.ndarray]:
                                     GenParams(top_k=6, seed=8, max_tokens=10), GenParams(seed=5, max_tokens=30)],
                          ids=["seeded", "greedy", "host-sampler", "stop-string"])
 def test_pipelined_worker_answers_as_synchronous_steps(engine, params, encode_thread):
+    params = dataclasses.replace(params)  # the parametrized value is shared by both encode_thread runs
     if params.max_tokens == 30:  # a stop string from the middle of the seeded answer
         text = serve(engine, params, lag=0)[0].text
         params.stop = [text[len(text) // 2 :][:2]]
