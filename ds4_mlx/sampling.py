@@ -208,7 +208,9 @@ def sample(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
 
 @lru_cache(maxsize=1)
 def _zero_u() -> mx.array:
-    return mx.zeros((1,), mx.float32)
+    # from host data, so already materialized: a lazy mx.zeros would belong to the stream of the thread that
+    # first asked, and a later draw in another thread (the server's worker) could not evaluate it
+    return mx.array(np.zeros(1, np.float32))
 
 
 def on_device(p: SamplingParams) -> bool:
