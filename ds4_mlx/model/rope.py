@@ -106,13 +106,16 @@ class Rope:
         positions' tables, made once and kept on the device (``resident``), so a step brings no new host data
         to the GPU. A decode step asks every layer for its rows: the lookup is keyed by small ints (a Rope
         hashes all its fields), and equal Ropes share the rows."""
-        key = (self._id, pos, head_dim)
+        # the rows (and, on CUDA, the blocks) are lazy ops of the stream they were made on, which only its own
+        # thread may run (MLX streams are per thread): a row made in one thread must not serve another
+        stream = str(mx.default_stream(mx.default_device()))
+        key = (self._id, pos, head_dim, stream)
         hit = _ROWS.get(key)
         if hit is None:
             if len(_ROWS) >= _ROWS_MAX:
                 _ROWS.clear()
             b, i = divmod(pos, DECODE_BLOCK)
-            C, S = self._block(b, head_dim)
+            C, S = self._block(b, head_dim, stream)
             hit = _ROWS[key] = (C[i : i + 1], S[i : i + 1])
         return hit
 
@@ -121,7 +124,7 @@ class Rope:
         return _ROPE_IDS.setdefault(self, len(_ROPE_IDS))
 
     @lru_cache(maxsize=32)
-    def _block(self, block: int, head_dim: int) -> tuple[mx.array, mx.array]:
+    def _block(self, block: int, head_dim: int, stream: str) -> tuple[mx.array, mx.array]:
         p = block * DECODE_BLOCK + np.arange(DECODE_BLOCK)
         return tuple(resident(mx.array(t)) for t in self._host_tables(p, head_dim))
 
