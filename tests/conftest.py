@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,27 @@ def encode_thread(request, monkeypatch):
     generate = importlib.import_module("ds4_mlx.generate")  # the package's ``generate`` is the function
     monkeypatch.setattr(generate, "kernel_backend", lambda: "cuda" if request.param else "fallback")
     return request.param
+
+
+@pytest.fixture
+def in_other_thread():
+    """``in_other_thread(fn)``: ``fn()`` run in a new thread (MLX streams are per thread), its result returned
+    and its exception raised here."""
+
+    def run(fn):
+        out = {}
+
+        def target():
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                out["error"] = e
+
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    return run

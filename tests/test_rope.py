@@ -162,25 +162,12 @@ def test_vs_transformers_rotary():
         np.testing.assert_allclose(got[:, :, :3], want[:, :, :3], atol=2e-5, rtol=0)
 
 
-def test_decode_rows_serve_each_thread_its_own():
+def test_decode_rows_serve_each_thread_its_own(in_other_thread):
     """A row is cached as a lazy slice of the stream it was made on, which only that stream's thread may run
     (MLX streams are per thread): a row made, not yet evaluated, in one thread still serves another (the server
     decodes in a worker thread while a caller's thread may have asked for the same positions)."""
-    import threading
-
     rope = Rope(n_rot=16, base=10000.0)
     mine = rope.row(7, 32)  # made here, left lazy
-    theirs, errors = [], []
-
-    def other_thread():
-        try:
-            theirs.append([np.array(a) for a in rope.row(7, 32)])
-        except RuntimeError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=other_thread)
-    t.start()
-    t.join()
-    assert not errors, errors
-    for a, b in zip(mine, theirs[0], strict=True):
+    theirs = in_other_thread(lambda: [np.array(a) for a in rope.row(7, 32)])
+    for a, b in zip(mine, theirs, strict=True):
         np.testing.assert_array_equal(np.array(a), b)

@@ -432,24 +432,11 @@ def test_uniform_stream_seek_replays_values():
         s.seek(B - 1)  # two batches back
 
 
-def test_cached_draw_constants_serve_any_thread():
+def test_cached_draw_constants_serve_any_thread(in_other_thread):
     """The greedy draw's cached uniform is made in whichever thread draws first (a test, the CLI) and reused by
     others (the server's worker): it must hold data, not a lazy op of the first thread's own stream."""
-    import threading
-
     from ds4_mlx import sampling
 
     sampling._zero_u.cache_clear()
     sampling._zero_u()  # made here
-    errors = []
-
-    def other_thread():
-        try:
-            mx.eval(sampling._zero_u() + 1)
-        except RuntimeError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=other_thread)
-    t.start()
-    t.join()
-    assert not errors, errors
+    assert in_other_thread(lambda: (sampling._zero_u() + 1).item()) == 1.0
