@@ -598,13 +598,37 @@ def resident(a: mx.array) -> mx.array:
     instead of 3 µs, every step (benchmarks/RESULTS.md). An op's output is device memory, faulted in once for
     all the later steps that reuse the (cached) array. Elsewhere ``a`` itself.
     """
-    return a * 1 if mx.default_device() == mx.gpu and mx.cuda.is_available() else a
+    return a * 1 if _on_cuda() else a
 
 
-@lru_cache(maxsize=4096)
+def fault_in(a: mx.array) -> None:
+    """Read every page of ``a`` on the device once (on CUDA; nothing elsewhere): the pages of an array made from
+    host data move to the GPU then, not one at a time in later steps. For the embedding table, which a decode
+    step reads one row of, mostly rows that prefill never touched: that row's fault took 179 µs of a step's GPU
+    time (Nsight Compute, benchmarks/RESULTS.md, seventeenth session)."""
+    if _on_cuda():
+        mx.eval(a.max())
+
+
+def _on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def stream_key() -> str:
+    """The current default stream, as a cache key for :func:`resident` arrays: they are lazy ops, which only
+    the stream they were made on may run, and MLX's streams belong to their thread (the main thread's must not
+    serve a :class:`~ds4_mlx.session.StepEncoder` or a server worker). ~0.5 µs."""
+    return str(mx.default_stream(mx.default_device()))
+
+
 def kernel_counts(a: int, b: int) -> mx.array:
     """The ``counts`` input of :func:`attend_one` and :func:`top_k_rows`: int32 ``[8] = (a, b, 0, ...)``, made
     on the host and cached, so a compiled step takes it as an input instead of baking the numbers into its trace."""
+    return _kernel_counts(a, b, stream_key())
+
+
+@lru_cache(maxsize=4096)
+def _kernel_counts(a: int, b: int, stream: str) -> mx.array:
     return resident(_params(a, b))
 
 

@@ -1061,3 +1061,26 @@ def test_experts_with_shared_kernel(qt, E, F, D, T, k):
     assert fused.experts_with_shared(gate, up, down, sgu, sd, x, ids, rw, clamp, backend="fallback") is None
     with pytest.raises(ValueError, match="shared expert"):  # the up rows missing
         kernels.mv(gate, x, BACKEND, ids=ids, k_slots=k, epi=kernels.MV_SWIGLU, w2=up, aux=rw, shared=sg)
+
+
+@pytest.mark.parametrize("make", ["kernel_counts", "index_array"])
+def test_cached_step_inputs_serve_each_thread_its_own(make, monkeypatch, in_other_thread):
+    """On CUDA ``resident`` arrays are lazy ops of the stream they were made on, and MLX streams belong to their
+    thread: a cached step input made (not yet evaluated) in one thread must still serve another, the
+    StepEncoder's worker or a server worker (without the stream in the key: "There is no Stream(cpu, 0) in
+    current thread"). ``resident`` is made lazy here as it is on CUDA."""
+    from ds4_mlx.model import compressor
+
+    def lazy(a):
+        return a * 1
+
+    monkeypatch.setattr(fused, "resident", lazy)
+    monkeypatch.setattr(compressor, "resident", lazy)
+    fused._kernel_counts.cache_clear()
+    compressor._index_array.cache_clear()
+    f = {"kernel_counts": lambda: fused.kernel_counts(123457, 11), "index_array": lambda: compressor.index_array(98765)}[make]
+    mine = f()  # made here, left lazy
+    theirs = in_other_thread(lambda: np.array(f() + 0))
+    np.testing.assert_array_equal(np.array(mine), theirs)
+    fused._kernel_counts.cache_clear()  # no lazy entries left behind for later tests
+    compressor._index_array.cache_clear()

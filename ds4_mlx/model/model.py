@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..config import ModelConfig
 from ..numerics import Numerics, get_numerics
-from ..kernels.fused import hc_post, hc_post_pre, hc_pre  # fused Metal/CUDA kernels; fall back to .hyper on CPU
+from ..kernels.fused import fault_in, hc_post, hc_post_pre, hc_pre  # fused kernels; .hyper on the CPU
 from .attention import Attention, DecodeKey, LayerCache, make_layer_cache
 from .hyper import hc_head
 from .moe import MoE
@@ -95,6 +95,7 @@ class Model:
         self.cfg = cfg
         self.numerics = get_numerics(numerics)
         self.token_embd = weights["token_embd.weight"]  # [V, E] F16
+        fault_in(self.token_embd.data)  # on CUDA: a decode step reads one row, at a place prefill may not have
         self.layers = [Block(cfg, il, weights, self.numerics) for il in range(cfg.n_layer)]
         self.output_hc = tuple(weights[f"output_hc_{k}.weight"] for k in ("fn", "scale", "base"))
         self.output_norm = weights["output_norm.weight"]  # [E]

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import resident
+from ..kernels.fused import resident, stream_key
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Rope:
         hashes all its fields), and equal Ropes share the rows."""
         # the rows (and, on CUDA, the blocks) are lazy ops of the stream they were made on, which only its own
         # thread may run (MLX streams are per thread): a row made in one thread must not serve another
-        stream = str(mx.default_stream(mx.default_device()))
+        stream = stream_key()
         key = (self._id, pos, head_dim, stream)
         hit = _ROWS.get(key)
         if hit is None:
