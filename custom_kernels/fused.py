@@ -53,7 +53,7 @@ from . import (
 #: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E), and of
 #: its decode launch on hc_mix's partials (one threadgroup for the token: more simdgroups sum the partials).
 HC_PRE_THREADS = 256
-HC_PRE_SPLIT_THREADS = 512
+HC_PRE_SPLIT_THREADS = 512  # twice HC_PRE_THREADS: hc_pre.body keeps XS = XK / 2 elements a thread
 #: Elements of x a HC pre thread keeps in registers, read from hc_pre.body (its XK, the one definition): the
 #: kernel takes E <= 16 * 256 = 4096 (the full shape's width); wider states take the MLX path.
 HC_PRE_XK = int(re.search(r"constexpr int XK = (\d+);", _read("hc_pre.body")).group(1))
@@ -364,7 +364,7 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tupl
                 unused if norm is None else norm],  # fmt: skip
         template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split)),
                   ("NORM", int(norm is not None))],  # fmt: skip
-        grid=(-(-T // tpb) * threads, 1, 1),
+        grid=(-(-T // tpb) * threads * (2 if split else 1), 1, 1),  # split: a collapse and a gates group a token
         threadgroup=(threads, 1, 1),
         output_shapes=[(T, E), (T, n_hc), (T, n_hc, n_hc)],
         output_dtypes=[mx.float32] * 3,

@@ -214,7 +214,7 @@ def test_kernel_sources_stay_small():
     assert "0x" not in kernels.render_header("mv", "cuda", False).split("DS_IQ2_GRID_WORDS", 1)[1].split("\n", 1)[0]
     for kind in kernels.fused.SPECS:
         size = len(kernels.fused.render_fused_header("metal", kind)) + len(kernels.render_source(kind, "metal"))
-        assert size <= 9_500, (kind, size)
+        assert size <= 10_800, (kind, size)  # hc_pre: 5.0 KB header + 5.6 KB body (its split launch)
         assert "ds_dot32" not in kernels.fused.render_fused_header("cuda")
 
 
