@@ -11,8 +11,10 @@ into the host's wait. Then what the package's generation loop adds to ``lag2``: 
 sampler on the device (``lag2 sampler``), a rewind point per queued step (``lag2 snapshots``:
 ``Session.rewind_point``), both, and ``decode_tokens`` itself (at its defaults: on CUDA, from an encoder thread).
 ``lag2 thread`` / ``lag1 thread`` queue the bare loop's steps from a ``StepEncoder`` thread, so MLX's encode
-of a step overlaps the Python that builds the next. Reported per variant: ms/token and the host's ms/token
-spent waiting for a token (not split out for ``decode_tokens``; with a thread, the wait includes the encoder's).
+of a step overlaps the Python that builds the next; ``lag2 thread sampler`` / ``snapshots`` / both add what
+``decode_tokens`` adds. Reported per variant: ms/token, the host's ms/token spent waiting for a token (not split
+out for ``decode_tokens``; with a thread, the wait includes the encoder's), and the CPU ms/token of the calling
+thread and of the encoder thread (waits excluded).
 """
 
 from __future__ import annotations
@@ -38,23 +40,29 @@ VARIANTS = {"lag1": dict(lag=1), "lag1+3ms": dict(lag=1, delay=0.003), "lag1+6ms
             "lag2 sampler": dict(lag=2, sampler=True), "lag2 snapshots": dict(lag=2, snapshots=True),
             "lag2 sampler+snapshots": dict(lag=2, sampler=True, snapshots=True),
             "decode_tokens": dict(lag=2, loop=True),  # at generate.DEFAULT_LAG (2)
-            "lag2 thread": dict(lag=2, thread=True), "lag1 thread": dict(lag=1, thread=True)}
+            "lag2 thread": dict(lag=2, thread=True), "lag1 thread": dict(lag=1, thread=True),
+            "lag2 thread sampler": dict(lag=2, thread=True, sampler=True),
+            "lag2 thread snapshots": dict(lag=2, thread=True, snapshots=True),
+            "lag2 thread sampler+snapshots": dict(lag=2, thread=True, sampler=True, snapshots=True)}
 
 
 def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampler: bool = False,
-        snapshots: bool = False, loop: bool = False, thread: bool = False) -> tuple[float, float]:
-    """(ms/token, wait ms/token) of ``n`` steps from ``start``; ``lag=None`` reads tokens back only at the end.
+        snapshots: bool = False, loop: bool = False, thread: bool = False) -> tuple[float, ...]:
+    """(ms/token, wait ms/token, host CPU ms/token, encoder CPU ms/token) of ``n`` steps from ``start``;
+    ``lag=None`` reads tokens back only at the end.
     ``sampler``: ids drawn by ds4's default sampler on the device instead of argmax; ``snapshots``: a session
     rewind point kept for each of the last ``lag`` steps (as ``decode_tokens`` does); ``loop``: the package's
     own loop (``generate.decode_tokens`` at its defaults, timed by ``model.generate_seconds``); ``thread``: the
-    steps queued from a ``StepEncoder`` thread."""
+    steps queued from a ``StepEncoder`` thread. CPU times are thread times (waits excluded): the calling thread's
+    build (and, without a thread, encode) and the encoder thread's encode; a period well above both is the
+    device's."""
     sess.restore(start)
     if loop:
-        return bench.generate_seconds(sess, n) * 1e3, float("nan")
+        return bench.generate_seconds(sess, n) * 1e3, float("nan"), float("nan"), float("nan")
     with StepEncoder(sess) if thread else contextlib.nullcontext() as enc:
         pick = Sampler(DEFAULT_PARAMS, seed=0).draw if sampler else mx.argmax
         toks, snaps, queued = [pick(sess.logits)], [], []  # queued[j]: step j (which takes toks[j]) is queued
-        wait, t0 = 0.0, time.perf_counter()
+        wait, t0, c0 = 0.0, time.perf_counter(), time.thread_time()
         for _ in range(n):
             if snapshots:
                 snaps = (snaps + [sess.rewind_point()])[-lag:]
@@ -72,7 +80,8 @@ def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampl
         if enc:
             enc.drain()
         toks[-1].item()
-    return (time.perf_counter() - t0) / n * 1e3, wait / n * 1e3
+        cpu, enc_cpu = time.thread_time() - c0, enc.cpu_seconds if enc else 0.0
+    return (time.perf_counter() - t0) / n * 1e3, wait / n * 1e3, cpu / n * 1e3, enc_cpu / n * 1e3
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -100,9 +109,10 @@ def main(argv: list[str] | None = None) -> dict:
         for name, kw in VARIANTS.items():
             if args.only and name not in args.only:
                 continue
-            ms, wait = run(sess, start, args.decode, **kw)
-            res.setdefault(name, []).append((round(ms, 2), round(wait, 2)))
-            print(f"round {rnd} {name:24s} {ms:7.2f} ms/token  wait {wait:5.2f}", flush=True)
+            ms, wait, cpu, enc_cpu = run(sess, start, args.decode, **kw)
+            res.setdefault(name, []).append((round(ms, 2), round(wait, 2), round(cpu, 2), round(enc_cpu, 2)))
+            print(f"round {rnd} {name:24s} {ms:7.2f} ms/token  wait {wait:5.2f}  host cpu {cpu:5.2f}"
+                  f"  encoder cpu {enc_cpu:5.2f}", flush=True)
     print(json.dumps(res))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))

@@ -11,6 +11,7 @@ import functools
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -191,6 +192,8 @@ class StepEncoder:
         self._last = threading.Event()
         self._last.set()
         self._error: BaseException | None = None
+        #: CPU seconds the worker spent queueing steps: MLX's encode without its waits for the device
+        self.cpu_seconds = 0.0
 
     def __enter__(self) -> StepEncoder:
         # what the next step reads must not be a lazy array of this thread's stream (the worker cannot run it)
@@ -208,12 +211,14 @@ class StepEncoder:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             work, done = job
+            t = time.thread_time()
             try:
                 if self._error is None:
                     mx.async_eval(work)
             except BaseException as e:  # raised in the caller's thread at its next wait
                 self._error = e
             finally:
+                self.cpu_seconds += time.thread_time() - t
                 done.set()
 
     def submit(self, work) -> threading.Event:

@@ -82,9 +82,14 @@ def test_pipeline_depth_runs_at_tiny_shape():
     spec.loader.exec_module(pd)
     res = pd.main(["--shape", "tiny", "--prefill", "24", "--decode", "3", "--rounds", "1"])
     assert set(res) == set(pd.VARIANTS)
-    for name, [(ms, wait)] in res.items():
-        assert ms > 0 and (wait >= 0 or name == "decode_tokens" and math.isnan(wait)), name  # its wait is inside it
+    for name, [(ms, wait, cpu, enc_cpu)] in res.items():
+        if name == "decode_tokens":  # timed as a whole: its wait and CPU split are inside it
+            assert ms > 0 and math.isnan(wait) and math.isnan(cpu) and math.isnan(enc_cpu)
+            continue
+        assert ms > 0 and wait >= 0 and cpu > 0, name
+        assert (enc_cpu > 0) == ("thread" in name), name  # the encoder thread's CPU: only where there is one
     assert res["lag1+6ms"][0][0] >= 6.0  # the sleep is inside the timed step
+    assert res["lag1+6ms"][0][2] < res["lag1+6ms"][0][0] - 5.0  # ... but not in the thread's CPU time
 
 
 def test_ab_decode_runs_both_trees(tmp_path):
