@@ -226,7 +226,8 @@ def test_responses_function_call_stream(base):
         {"type": "reasoning", "id": final.output[0].id, "summary": [{"type": "summary_text", "text": "thought"}]},
         {"type": "function_call", "call_id": fc.call_id, "name": "read", "namespace": "mcp__fs__",
          "arguments": fc.arguments},
-        {"type": "function_call_output", "call_id": fc.call_id, "output": "contents"}], tools=RESP_TOOLS)
+        {"type": "function_call_output", "call_id": fc.call_id, "output": "contents"}], tools=RESP_TOOLS,
+        extra_headers=force("thinking about it for a while"))  # sampled, an EOS may come first
     assert r2.status == "incomplete" and r2.incomplete_details.reason == "max_tokens"
 
 
