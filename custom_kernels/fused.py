@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Any
 
 import mlx.core as mx
@@ -621,14 +621,27 @@ def stream_key() -> str:
     return str(mx.default_stream(mx.default_device()))
 
 
+def cached_per_stream(maxsize: int):
+    """``lru_cache(maxsize)`` keyed by the arguments and :func:`stream_key`: for functions that return cached
+    :func:`resident` arrays, so each thread's stream gets its own."""
+
+    def wrap(fn):
+        cached = lru_cache(maxsize=maxsize)(lambda stream, *args: fn(*args))
+
+        @wraps(fn)
+        def per_stream(*args):
+            return cached(stream_key(), *args)
+
+        per_stream.cache_clear = cached.cache_clear
+        return per_stream
+
+    return wrap
+
+
+@cached_per_stream(maxsize=4096)
 def kernel_counts(a: int, b: int) -> mx.array:
     """The ``counts`` input of :func:`attend_one` and :func:`top_k_rows`: int32 ``[8] = (a, b, 0, ...)``, made
     on the host and cached, so a compiled step takes it as an input instead of baking the numbers into its trace."""
-    return _kernel_counts(a, b, stream_key())
-
-
-@lru_cache(maxsize=4096)
-def _kernel_counts(a: int, b: int, stream: str) -> mx.array:
     return resident(_params(a, b))
 
 

@@ -1076,11 +1076,11 @@ def test_cached_step_inputs_serve_each_thread_its_own(make, monkeypatch, in_othe
 
     monkeypatch.setattr(fused, "resident", lazy)
     monkeypatch.setattr(compressor, "resident", lazy)
-    fused._kernel_counts.cache_clear()
-    compressor._index_array.cache_clear()
+    fused.kernel_counts.cache_clear()
+    compressor.index_array.cache_clear()
     f = {"kernel_counts": lambda: fused.kernel_counts(123457, 11), "index_array": lambda: compressor.index_array(98765)}[make]
     mine = f()  # made here, left lazy
     theirs = in_other_thread(lambda: np.array(f() + 0))
     np.testing.assert_array_equal(np.array(mine), theirs)
-    fused._kernel_counts.cache_clear()  # no lazy entries left behind for later tests
-    compressor._index_array.cache_clear()
+    fused.kernel_counts.cache_clear()  # no lazy entries left behind for later tests
+    compressor.index_array.cache_clear()
