@@ -95,8 +95,14 @@ class Model:
         self.cfg = cfg
         self.numerics = get_numerics(numerics)
         self.token_embd = weights["token_embd.weight"]  # [V, E] F16
-        fault_in(self.token_embd.data)  # on CUDA: a decode step reads one row, at a place prefill may not have
         self.layers = [Block(cfg, il, weights, self.numerics) for il in range(cfg.n_layer)]
+        # On CUDA, arrays made from host data (a GGUF, the random model's host-drawn tables) sit in managed memory
+        # and the GPU faults a page in at first touch, inside a step (an embedding row's fault took 179 µs;
+        # benchmarks/RESULTS.md, seventeenth session). A decode step reads one row, picked by the token, of the
+        # embedding and of the hash layers' routing tables: read them once now.
+        hash_tables = [b.ffn.ffn_gate_tid2eid for b in self.layers if b.ffn.ffn_gate_tid2eid is not None]
+        for table in [self.token_embd.data, *hash_tables]:
+            fault_in(table)
         self.output_hc = tuple(weights[f"output_hc_{k}.weight"] for k in ("fn", "scale", "base"))
         self.output_norm = weights["output_norm.weight"]  # [E]
         self.output = weights["output.weight"]  # [V, E] Q8_0 (not tied to the embedding)
