@@ -147,14 +147,11 @@ def decode_seconds(sess: Session, n: int, pipelined: bool, lag: int = 1) -> tupl
 def generate_seconds(sess: Session, n: int) -> float:
     """Mean seconds per token of ``n`` decode steps through the package's own generation loop
     (``generate.decode_tokens``: ds4's default sampler on the device, ``DEFAULT_LAG`` steps queued, the steps
-    queued past the end rewound), from the session's state, which is restored afterwards."""
-    start = sess.snapshot()
+    queued past the end rewound), from the session's state, which goes on by ``n`` tokens."""
     t0 = time.perf_counter()
     for _ in decode_tokens(sess, Sampler(DEFAULT_PARAMS, seed=0), n + 1):  # n + 1 ids, n steps
         pass
-    t = time.perf_counter() - t0
-    sess.restore(start)
-    return t / n
+    return (time.perf_counter() - t0) / n
 
 
 def graph_build_seconds(model: Model, sess: Session, reps: int) -> float:
@@ -221,17 +218,17 @@ def main(argv: list[str] | None = None) -> dict:
     sess.prefill(prompt)
     t_prefill = time.perf_counter() - t0
 
-    # Warm-up, on a copy of the state: kernel JIT and the compiled steps' traces. Every step variant runs at
-    # least once (a completing window of each compress ratio, the session's periodic state evaluation, whose
-    # deferred frontier writes JIT-compiled 5 s into the timed steps on the H200 when the warm-up missed it).
-    start = sess.snapshot()
+    # Warm-up: kernel JIT and the compiled steps' traces. Every step variant runs at least once (a completing
+    # window of each compress ratio, the session's periodic state evaluation, whose deferred frontier writes
+    # JIT-compiled 5 s into the timed steps on the H200 when the warm-up missed it). The timed steps then go on
+    # from there, each over positions never decoded before, as a real generation: on MLX-CUDA positions decoded
+    # again ran faster (its graph cache hits; benchmarks/RESULTS.md, nineteenth session).
     decode_seconds(sess, max(max(cfg.compress_ratios), STATE_EVAL_EVERY) + 1, pipelined=False)
-    sess.restore(start)
     generate_seconds(sess, 4)  # the sampler kernel's JIT (NVRTC on CUDA) must not be timed either
     t_decode_sync, _ = decode_seconds(sess, n_decode, pipelined=False)
     t_decode, split = decode_seconds(sess, n_decode, pipelined=True)
     ctx = sess.pos
-    t_gen = generate_seconds(sess, n_decode)  # from ctx on, then back to ctx
+    t_gen = generate_seconds(sess, n_decode)
     t_decode2, split2 = decode_seconds(sess, n_decode, pipelined=True, lag=2)
     assert bool(mx.all(mx.isfinite(sess.logits)).item()), "non-finite logits"
     t_decode_ops = t_build = None

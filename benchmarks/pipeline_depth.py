@@ -1,8 +1,10 @@
 """Is the pipelined decode step bound by the host or by the device? Variants of one loop, in rounds, same context.
 
-    python benchmarks/pipeline_depth.py [--shape full] [--layers N] [--decode 32] [--rounds 2]
+    python benchmarks/pipeline_depth.py [--shape full] [--layers N] [--decode 32] [--rounds 2] [--onward]
 
 Each variant restores the same session snapshot (prefill 1024 + warm-up) and decodes ``--decode`` greedy tokens
+(``--onward``: continues from where the last run stopped, over positions never decoded before, as a real
+generation does; on MLX-CUDA revisited positions run faster, benchmarks/RESULTS.md nineteenth session)
 with the token ids fed lazily (mlx-lm style), reading token k back after building step k + lag:
 ``lag1`` (what benchmarks/model.py headlines), ``lag1+3ms`` / ``lag1+6ms`` (the host made slower by a sleep per
 step), ``lag2`` and ``nowait`` (read back only at the end). If the host were the only limit, a sleep would add its
@@ -48,15 +50,16 @@ VARIANTS = {"lag1": dict(lag=1), "lag1+3ms": dict(lag=1, delay=0.003), "lag1+6ms
 
 def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampler: bool = False,
         snapshots: bool = False, loop: bool = False, thread: bool = False) -> tuple[float, ...]:
-    """(ms/token, wait ms/token, host CPU ms/token, encoder CPU ms/token) of ``n`` steps from ``start``;
-    ``lag=None`` reads tokens back only at the end.
+    """(ms/token, wait ms/token, host CPU ms/token, encoder CPU ms/token) of ``n`` steps from ``start`` (None:
+    from the session's current state, kept); ``lag=None`` reads tokens back only at the end.
     ``sampler``: ids drawn by ds4's default sampler on the device instead of argmax; ``snapshots``: a session
     rewind point kept for each of the last ``lag`` steps (as ``decode_tokens`` does); ``loop``: the package's
     own loop (``generate.decode_tokens`` at its defaults, timed by ``model.generate_seconds``); ``thread``: the
     steps queued from a ``StepEncoder`` thread. CPU times are thread times (waits excluded): the calling thread's
     build (and, without a thread, encode) and the encoder thread's encode; a period well above both is the
     device's."""
-    sess.restore(start)
+    if start is not None:
+        sess.restore(start)
     if loop:
         return bench.generate_seconds(sess, n) * 1e3, float("nan"), float("nan"), float("nan")
     with StepEncoder(sess) if thread else contextlib.nullcontext() as enc:
@@ -93,6 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--only", nargs="+", choices=tuple(VARIANTS), default=None, help="these variants only")
+    ap.add_argument("--onward", action="store_true",
+                    help="each run continues from where the last one stopped (positions never decoded before, as in "
+                         "a real generation) instead of restoring the snapshot")
     args = ap.parse_args(argv)
 
     cfg = bench.shape_config(args.shape, args.layers)
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, kw in VARIANTS.items():
             if args.only and name not in args.only:
                 continue
-            ms, wait, cpu, enc_cpu = run(sess, start, args.decode, **kw)
+            ms, wait, cpu, enc_cpu = run(sess, None if args.onward else start, args.decode, **kw)
             res.setdefault(name, []).append((round(ms, 2), round(wait, 2), round(cpu, 2), round(enc_cpu, 2)))
             print(f"round {rnd} {name:24s} {ms:7.2f} ms/token  wait {wait:5.2f}  host cpu {cpu:5.2f}"
                   f"  encoder cpu {enc_cpu:5.2f}", flush=True)

@@ -59,8 +59,10 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
     out = tmp_path / "res.json"
     res = bench.main(["--shape", "tiny", "--prefill", "23", "--chunk", "10", "--decode", "2", "--reps", "1",
                       "--json", str(out)])
-    # the pipelined decode ran at: prompt + warm-up + sync + pipelined (then the op-by-op runs)
-    assert json.loads(out.read_text())["decode_ctx"] == 23 + 2 + 2  # the warm-up ran on a restored snapshot
+    # the pipelined decode ran after the prompt, the warm-up (a step past the longest periodic variant, then 4
+    # generated tokens), the synchronous and the pipelined steps: each timed run over positions new to it
+    warm = max(max(bench.shape_config("tiny").compress_ratios), bench.STATE_EVAL_EVERY) + 1 + 4
+    assert json.loads(out.read_text())["decode_ctx"] == 23 + warm + 2 + 2
     split = res["decode_host_split_ms"]
     assert set(split) == {"build", "encode", "wait"} and split["encode"] > 0 and split["build"] > 0
     assert res["decode_ms"] > 0 and res["decode_uncompiled_ms"] > 0 and res["prefill_tok_s"] > 0 and 0 < res["floor_ratio"]
@@ -90,6 +92,13 @@ def test_pipeline_depth_runs_at_tiny_shape():
         assert (enc_cpu > 0) == ("thread" in name), name  # the encoder thread's CPU: only where there is one
     assert res["lag1+6ms"][0][0] >= 6.0  # the sleep is inside the timed step
     assert res["lag1+6ms"][0][2] < res["lag1+6ms"][0][0] - 5.0  # ... but not in the thread's CPU time
+
+    # --onward: each run starts where the last one stopped (new positions), the package's loop included
+    starts, run = [], pd.run
+    pd.run = lambda sess, start, n, **kw: starts.append(sess.pos) or run(sess, start, n, **kw)
+    pd.main(["--shape", "tiny", "--prefill", "24", "--decode", "3", "--rounds", "2", "--onward",
+             "--only", "lag2", "decode_tokens"])
+    assert len(starts) == 4 and all(b == a + 3 for a, b in zip(starts, starts[1:])), starts
 
 
 def test_ab_decode_runs_both_trees(tmp_path):
