@@ -1,6 +1,6 @@
 """Host cost of one decode step on the GPU code path, measured on any machine (the CPU is enough).
 
-    python benchmarks/graph_cost.py [--layers 43] [--ctx 600] [--profile]
+    python benchmarks/graph_cost.py [--layers 43] [--ctx 600] [--profile] [--steps N]
 
 On the H200 a decode step is host-bound: every MLX op costs the host ~5-7 µs to encode and launch
 (benchmarks/decode_profile.py), and building the step's graph in Python took 29-46 ms of the 85-100 ms step
@@ -12,6 +12,10 @@ kernel launches write and read (MLX's encode of a launch grows with both; ``by_k
 written per kernel), and the step's op count split into kernel launches, compute ops and view ops (reshape,
 slice, broadcast, ...: no device work, but MLX still replays and encodes each one: the Nsight Systems timeline
 of benchmarks/timeline.py counted ~890 a step at the full shape, against 941 kernel launches).
+
+``--steps N`` then decodes N steps onward, over new positions, and counts the distinct shapes of the graphs they
+queue (their ops in order, ``resident`` copies made as on CUDA). MLX-CUDA keys its cached CUDA graphs by their
+topology, so a shape seen for the first time cannot hit that cache (benchmarks/RESULTS.md, nineteenth session).
 """
 
 from __future__ import annotations
@@ -107,6 +111,32 @@ def op_counts(outputs: list[mx.array]) -> collections.Counter:
     return counts
 
 
+def step_shapes(sess: Session, tok: mx.array, n: int) -> dict:
+    """Decode ``n`` steps onward (kernels faked) and count the distinct shapes of the graphs they queue: the ops
+    in the order MLX exports them, with ``fused.resident`` making a device op as it does on CUDA."""
+    from ds4_mlx.weights import _kernels
+
+    fused, seen = _kernels().fused, []
+    on_cuda, queue_work = fused._on_cuda, sess.queue_work
+
+    def capture(work):
+        f = io.StringIO()
+        mx.export_to_dot(f, *[a for w in work for a in (w if isinstance(w, list) else [w])])
+        seen.append(tuple(re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', f.getvalue())))
+        mx.eval(work)
+
+    fused._on_cuda, sess.queue_work = (lambda: True), capture
+    try:
+        for _ in range(n):
+            sess.step(tok)
+    finally:
+        fused._on_cuda, sess.queue_work = on_cuda, queue_work
+    first = {}
+    for i, s in enumerate(seen):
+        first.setdefault(s, i)
+    return {"steps": n, "step_shapes": len(first), "step_shape_first_seen": sorted(first.values())}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=43)
@@ -114,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also print the top Python hot spots")
     ap.add_argument("--no-compile", action="store_true", help="build the step op by op (DS4_MLX_COMPILE=0)")
+    ap.add_argument("--steps", type=int, default=0, help="then decode this many steps onward, counting step shapes")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -155,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
                 build()
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+        shapes = step_shapes(sess, tok, args.steps) if args.steps else {}
     views = sum(v for k, v in counts.items() if k in VIEW_OPS)
     compute = sum(counts.values()) - views
     res = {
@@ -165,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         "top_compute_ops": dict(collections.Counter({k: v for k, v in counts.items() if k not in VIEW_OPS}).most_common(12)),
         # [launches, arrays written] a step by kernel, most arrays first: each array costs an allocation
         "by_kernel": {k: [fake.launches[k], n] for k, n in fake.outputs.most_common()},
+        **shapes,
     }
     print(json.dumps(res, indent=1))
     if args.json:
