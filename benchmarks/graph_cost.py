@@ -14,8 +14,10 @@ slice, broadcast, ...: no device work, but MLX still replays and encodes each on
 of benchmarks/timeline.py counted ~890 a step at the full shape, against 941 kernel launches).
 
 ``--steps N`` then decodes N steps onward, over new positions, and counts the distinct shapes of the graphs they
-queue (their ops in order, ``resident`` copies made as on CUDA). MLX-CUDA keys its cached CUDA graphs by their
-topology, so a shape seen for the first time cannot hit that cache (benchmarks/RESULTS.md, nineteenth session).
+queue (their launching ops in order, ``resident`` copies made as on CUDA), in all and per kind of step (which
+windows complete, whether a row buffer grew). MLX-CUDA keys its cached CUDA graphs by their topology, so a
+shape seen for the first time cannot hit that cache: each new CUDA graph cost 1-3 ms to instantiate on the H200,
+and steps of one kind must share one shape (benchmarks/RESULTS.md, twentieth session).
 """
 
 from __future__ import annotations
@@ -113,28 +115,39 @@ def op_counts(outputs: list[mx.array]) -> collections.Counter:
 
 def step_shapes(sess: Session, tok: mx.array, n: int) -> dict:
     """Decode ``n`` steps onward (kernels faked) and count the distinct shapes of the graphs they queue: the ops
-    in the order MLX exports them, with ``fused.resident`` making a device op as it does on CUDA."""
+    that launch work, in the order MLX exports them, with ``fused.resident`` taking its CUDA path. Also per kind
+    of step (the compress ratios whose windows it completes, whether a row buffer grew): MLX-CUDA caches CUDA
+    graphs by topology, so steps of one kind must share one shape (``kind_shapes`` all 1) or they miss that cache."""
     from ds4_mlx.weights import _kernels
 
-    fused, seen = _kernels().fused, []
+    fused, seen, kinds = _kernels().fused, [], []
     on_cuda, queue_work = fused._on_cuda, sess.queue_work
+    ratios = sorted({c.ratio for c in sess.caches if c.ratio})
+
+    def capacity() -> int:
+        return sum(a.shape[0] for c in sess.caches for a in (c.comp, c.index) if a is not None)
 
     def capture(work):
         f = io.StringIO()
         mx.export_to_dot(f, *[a for w in work for a in (w if isinstance(w, list) else [w])])
-        seen.append(tuple(re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', f.getvalue())))
+        labels = re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', f.getvalue())
+        seen.append(tuple(a for a in labels if a not in VIEW_OPS))  # views launch nothing on the device
         mx.eval(work)
 
     fused._on_cuda, sess.queue_work = (lambda: True), capture
     try:
         for _ in range(n):
+            pos, cap = sess.pos, capacity()
             sess.step(tok)
+            kinds.append((tuple(r for r in ratios if (pos + 1) % r == 0), capacity() != cap))
     finally:
         fused._on_cuda, sess.queue_work = on_cuda, queue_work
-    first = {}
-    for i, s in enumerate(seen):
+    first, per_kind = {}, collections.defaultdict(set)
+    for i, (s, k) in enumerate(zip(seen, kinds)):
         first.setdefault(s, i)
-    return {"steps": n, "step_shapes": len(first), "step_shape_first_seen": sorted(first.values())}
+        per_kind[f"complete {'/'.join(map(str, k[0])) or '-'}{', grew' if k[1] else ''}"].add(s)
+    return {"steps": n, "step_shapes": len(first), "step_shape_first_seen": sorted(first.values()),
+            "kind_shapes": {k: len(v) for k, v in sorted(per_kind.items())}}
 
 
 def main(argv: list[str] | None = None) -> dict:

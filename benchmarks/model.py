@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds4_mlx.generate import DEFAULT_LAG, decode_tokens  # noqa: E402
 from ds4_mlx.layout import EXPERT_VARIANTS, decode_bytes_per_token  # noqa: E402
 from ds4_mlx.model.model import Model, hc_post, hc_pre  # noqa: E402  (the HC functions the model uses)
-from ds4_mlx.session import STATE_EVAL_EVERY, Session  # noqa: E402
+from ds4_mlx.session import Session  # noqa: E402
 from ds4_mlx.random_model import random_weights, shape_config  # noqa: E402
 from ds4_mlx.sampling import DEFAULT_PARAMS, Sampler  # noqa: E402
 from ds4_mlx.weights import kernel_backend  # noqa: E402
@@ -144,6 +144,11 @@ def decode_seconds(sess: Session, n: int, pipelined: bool, lag: int = 1) -> tupl
     return total / n, {k: v / n * 1e3 for k, v in spent.items()}
 
 
+def warm_steps(cfg) -> int:
+    """Steps that run every kind of decode step once: one past the longest compress ratio's window."""
+    return max(cfg.compress_ratios) + 1
+
+
 def generate_seconds(sess: Session, n: int) -> float:
     """Mean seconds per token of ``n`` decode steps through the package's own generation loop
     (``generate.decode_tokens``: ds4's default sampler on the device, ``DEFAULT_LAG`` steps queued, the steps
@@ -218,13 +223,14 @@ def main(argv: list[str] | None = None) -> dict:
     sess.prefill(prompt)
     t_prefill = time.perf_counter() - t0
 
-    # Warm-up: kernel JIT and the compiled steps' traces. Every step variant runs at least once (a completing
-    # window of each compress ratio, the session's periodic state evaluation, whose deferred frontier writes
-    # JIT-compiled 5 s into the timed steps on the H200 when the warm-up missed it). The timed steps then go on
-    # from there, each over positions never decoded before, as a real generation: on MLX-CUDA positions decoded
-    # again ran faster (its graph cache hits; benchmarks/RESULTS.md, nineteenth session).
-    decode_seconds(sess, max(max(cfg.compress_ratios), STATE_EVAL_EVERY) + 1, pipelined=False)
-    generate_seconds(sess, 4)  # the sampler kernel's JIT (NVRTC on CUDA) must not be timed either
+    # Warm-up: kernel JIT, the compiled steps' traces and MLX-CUDA's CUDA graphs. Every kind of step (a
+    # completing window of each compress ratio) runs at least once, both on this thread's stream and from the
+    # generation loop's encoder thread (its own stream, so its own graph cache; the sampler's kernel too): each
+    # kind's first step costs its graphs' instantiation (1-3 ms each). The timed steps then go on from there,
+    # each over positions never decoded before, as a real generation: on MLX-CUDA positions decoded again ran
+    # faster (benchmarks/RESULTS.md, nineteenth and twentieth sessions).
+    decode_seconds(sess, warm_steps(cfg), pipelined=False)
+    generate_seconds(sess, warm_steps(cfg))
     t_decode_sync, _ = decode_seconds(sess, n_decode, pipelined=False)
     t_decode, split = decode_seconds(sess, n_decode, pipelined=True)
     ctx = sess.pos

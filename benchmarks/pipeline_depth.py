@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import model as bench  # noqa: E402  (benchmarks/model.py: the shapes, weights and warm-up it times with)
 from ds4_mlx.sampling import DEFAULT_PARAMS, Sampler  # noqa: E402
-from ds4_mlx.session import STATE_EVAL_EVERY, Session, StepEncoder  # noqa: E402
+from ds4_mlx.session import Session, StepEncoder  # noqa: E402
 
 VARIANTS = {"lag1": dict(lag=1), "lag1+3ms": dict(lag=1, delay=0.003), "lag1+6ms": dict(lag=1, delay=0.006),
             "lag2": dict(lag=2), "nowait": dict(lag=None),
@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     sess = Session(model)
     sess.prefill(prompt)
     start = sess.snapshot()
-    bench.decode_seconds(sess, max(max(cfg.compress_ratios), STATE_EVAL_EVERY) + 1, pipelined=False)  # warm-up
-    bench.generate_seconds(sess, 4)  # and the sampler's kernel
+    # warm-up: every kind of step on this thread's stream and from an encoder thread (benchmarks/model.py)
+    bench.decode_seconds(sess, bench.warm_steps(cfg), pipelined=False)
+    bench.generate_seconds(sess, bench.warm_steps(cfg))
     res: dict[str, list] = {}
     for rnd in range(args.rounds):
         for name, kw in VARIANTS.items():

@@ -37,8 +37,9 @@ costs the host several µs to encode), so every launch these kernels save is tim
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
-from functools import lru_cache, wraps
+from functools import cache, lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -591,14 +592,30 @@ def compressor_write(
 
 
 def resident(a: mx.array) -> mx.array:
-    """``a``, made from host data, as the output of a device op (lazy): for the per-step inputs of decode.
+    """``a``, made from host data, copied to device memory now (on CUDA; elsewhere ``a`` itself): for the
+    per-step inputs of decode, which are cached and reused by later steps.
 
     MLX-CUDA keeps arrays made from host data in managed memory, which the GPU page-faults in at first use:
     under Nsight Compute the first kernel to read a step's new host arrays (RoPE rows, counts) took 100-300 µs
-    instead of 3 µs, every step (benchmarks/RESULTS.md). An op's output is device memory, faulted in once for
-    all the later steps that reuse the (cached) array. Elsewhere ``a`` itself.
+    instead of 3 µs, every step (benchmarks/RESULTS.md). The copy is evaluated here, on a stream of its own,
+    not left to the step that first reads it: a step then queues the same graph whether or not it made new
+    inputs, so MLX-CUDA reuses its CUDA graphs (each new one cost 1-3 ms to instantiate; twentieth session).
+    Being data, not a lazy op, the result also serves any thread (MLX streams are per thread).
     """
-    return a * 1 if _on_cuda() else a
+    if not _on_cuda():
+        return a
+    with _RESIDENT_LOCK, mx.stream(_resident_stream()):
+        out = a * 1
+        mx.eval(out)
+    return out
+
+
+_RESIDENT_LOCK = threading.Lock()  # the copies' stream may serve any thread, one at a time
+
+
+@cache
+def _resident_stream() -> mx.Stream:
+    return mx.new_thread_unsafe_stream(mx.default_device())
 
 
 def fault_in(a: mx.array) -> None:
@@ -615,30 +632,14 @@ def _on_cuda() -> bool:
 
 
 def stream_key() -> str:
-    """The current default stream, as a cache key for :func:`resident` arrays: they are lazy ops, which only
-    the stream they were made on may run, and MLX's streams belong to their thread (the main thread's must not
-    serve a :class:`~ds4_mlx.session.StepEncoder` or a server worker). ~0.5 µs."""
+    """The current default stream, as a cache key for lazy arrays made once and reused by later steps (RoPE
+    rows: views of a resident block), which only the stream they were made on may run: MLX's streams belong
+    to their thread (the main thread's must not serve a :class:`~ds4_mlx.session.StepEncoder` or a server
+    worker). ~0.5 µs."""
     return str(mx.default_stream(mx.default_device()))
 
 
-def cached_per_stream(maxsize: int):
-    """``lru_cache(maxsize)`` keyed by the arguments and :func:`stream_key`: for functions that return cached
-    :func:`resident` arrays, so each thread's stream gets its own."""
-
-    def wrap(fn):
-        cached = lru_cache(maxsize=maxsize)(lambda stream, *args: fn(*args))
-
-        @wraps(fn)
-        def per_stream(*args):
-            return cached(stream_key(), *args)
-
-        per_stream.cache_clear = cached.cache_clear
-        return per_stream
-
-    return wrap
-
-
-@cached_per_stream(maxsize=4096)
+@lru_cache(maxsize=4096)
 def kernel_counts(a: int, b: int) -> mx.array:
     """The ``counts`` input of :func:`attend_one` and :func:`top_k_rows`: int32 ``[8] = (a, b, 0, ...)``, made
     on the host and cached, so a compiled step takes it as an input instead of baking the numbers into its trace."""

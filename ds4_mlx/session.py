@@ -20,10 +20,6 @@ import mlx.core as mx
 from .model.model import Model
 
 DEFAULT_CHUNK = 512
-# Decode evaluates only the logits; the cache arrays (lazy results of the same graph) are materialized every
-# this many steps, so unused state (e.g. indexer rows below top-k) never builds long lazy chains, without
-# paying the Python walk over every layer's state on each token.
-STATE_EVAL_EVERY = 16
 
 
 def _arrays(obj, out: list | None = None) -> list[mx.array]:
@@ -76,7 +72,6 @@ class Session:
         self.caches = self.model.make_cache(self.reserve)
         self._tokens: list[int | mx.array] = []  # an mx.array entry is a token queued by a pipelined step
         self.logits: mx.array | None = None
-        self._lazy_steps = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -90,13 +85,13 @@ class Session:
         return len(self._tokens)
 
     def _run(self, tokens: list[int] | mx.array, wait: bool = True) -> mx.array:
-        n = len(tokens) if isinstance(tokens, list) else tokens.shape[0]
         logits = self.model(tokens, self.pos, self.caches)
-        self._lazy_steps += 1
-        work = [logits]
-        if n > 1 or self._lazy_steps >= STATE_EVAL_EVERY:
-            work.append(_arrays(self.caches))  # materialize the state too, so lazy chains stay short
-            self._lazy_steps = 0
+        # The whole new state is evaluated with the logits, also what they do not read yet (the compressor
+        # frontiers until their window completes): so every step queues the same graph, up to which windows
+        # complete. MLX-CUDA reuses a CUDA graph only for the same topology; leaving that state for a later
+        # step made the steps' graphs vary with history, and each new one cost 1-3 ms of cudaGraphInstantiate
+        # (benchmarks/RESULTS.md, twentieth session).
+        work = [logits, *(a for c in self.caches for a in c.arrays())]
         (mx.eval if wait else self.queue_work)(work)
         self._tokens.extend(tokens if isinstance(tokens, list) else [tokens[0]])
         self.logits = logits

@@ -1064,23 +1064,22 @@ def test_experts_with_shared_kernel(qt, E, F, D, T, k):
 
 
 @pytest.mark.parametrize("make", ["kernel_counts", "index_array"])
-def test_cached_step_inputs_serve_each_thread_its_own(make, monkeypatch, in_other_thread):
-    """On CUDA ``resident`` arrays are lazy ops of the stream they were made on, and MLX streams belong to their
-    thread: a cached step input made (not yet evaluated) in one thread must still serve another, the
-    StepEncoder's worker or a server worker (without the stream in the key: "There is no Stream(cpu, 0) in
-    current thread"). ``resident`` is made lazy here as it is on CUDA."""
+def test_cached_step_inputs_serve_any_thread(make, monkeypatch, in_other_thread):
+    """A cached step input is made in whichever thread builds a step first and reused by the others (the
+    StepEncoder's worker, a server worker), and MLX streams belong to their thread: ``resident`` (its CUDA
+    path, forced here) returns evaluated data, not a lazy op of the maker's stream ("There is no Stream(cpu, 0)
+    in current thread" otherwise). The copy's own eval must not disturb a step being built on the caller's."""
     from ds4_mlx.model import compressor
 
-    def lazy(a):
-        return a * 1
-
-    monkeypatch.setattr(fused, "resident", lazy)
-    monkeypatch.setattr(compressor, "resident", lazy)
+    monkeypatch.setattr(fused, "_on_cuda", lambda: True)
     fused.kernel_counts.cache_clear()
     compressor.index_array.cache_clear()
     f = {"kernel_counts": lambda: fused.kernel_counts(123457, 11), "index_array": lambda: compressor.index_array(98765)}[make]
-    mine = f()  # made here, left lazy
+    pending = mx.arange(5) * 2  # a lazy op of this thread's stream, still unevaluated
+    mine = f()
     theirs = in_other_thread(lambda: np.array(f() + 0))
     np.testing.assert_array_equal(np.array(mine), theirs)
-    fused.kernel_counts.cache_clear()  # no lazy entries left behind for later tests
+    assert theirs[0] == {"kernel_counts": 123457, "index_array": 98765}[make]
+    np.testing.assert_array_equal(np.array(pending), np.arange(5) * 2)
+    fused.kernel_counts.cache_clear()  # made with the forced path: not for later tests
     compressor.index_array.cache_clear()

@@ -18,21 +18,21 @@ when it completes a window; both paths leave the same canonical frontier.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import compressor_emit, compressor_pool, compressor_write, cached_per_stream, resident
+from ..kernels.fused import compressor_emit, compressor_pool, compressor_write, resident
 from ..numerics import RowRounding
 from ..weights import QuantWeight
 from .rope import Rope
 
 
-@cached_per_stream(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 16)
 def index_array(i: int) -> mx.array:
-    """``int32 [1]`` holding ``i``: a position-dependent index passed into a (compiled) decode step (cached
-    per stream: on CUDA it is a lazy op of the stream it was made on)."""
+    """``int32 [1]`` holding ``i``: a position-dependent index passed into a (compiled) decode step (cached)."""
     return resident(mx.array([i], dtype=mx.int32))
 
 
