@@ -10,7 +10,9 @@ tokens, warms the decode up, then times ``--steps`` pipelined decode steps twice
 the device's busy time (the union of its kernels, copies and sets) against the wall time, the idle gaps
 between them by size, and for each gap whether the host was late (the API call that queued the next work
 began after the device had gone idle: the device waited on the host) or not (device-side latency: graph
-launch, dependency resolution, memory faults). Also the host's CUDA API and MLX's NVTX ranges by total time.
+launch, dependency resolution, memory faults). Also the CUDA graphs launched, instantiated and updated in place
+(a step that instantiates is one whose topology MLX-CUDA had not cached), the host's CUDA API and MLX's NVTX
+ranges by total time.
 
 On the lent H200 the Nsight Systems CLI is the one inside Nsight Compute
 (``/opt/nvidia/nsight-compute/<version>/host/target-linux-x64/nsys``); it writes only a ``.qdstrm``, which that
@@ -143,6 +145,14 @@ def analyze(path: Path, steps: int | None, top: int) -> None:
     print(f"\ndevice time by kernel, top 25 (sum {sum(ktime.values()) / 1e6:.2f} ms)")
     for k, t in ktime.most_common(25):
         print(f"  {t / 1e6:7.2f} ms {kcount[k]:6d}x  {k[:90]}")
+    # MLX-CUDA launches a cached CUDA graph after updating it in place (~0.1 ms) when the topology is one it has
+    # seen; a new topology is instantiated (1-3 ms on the H200; benchmarks/RESULTS.md, twentieth session)
+    graph = {op: [(n, t) for n, t in api_total.items() if n.startswith(f"cudaGraph{op}")]
+             for op in ("Launch", "Instantiate", "ExecUpdate")}
+    line = ", ".join(f"{op} {sum(api_count[n] for n, _ in v)}x {sum(t for _, t in v) / 1e6:.2f} ms"
+                     for op, v in graph.items())
+    inst = sum(api_count[n] for n, _ in graph["Instantiate"])
+    print(f"\nCUDA graphs: {line}" + (f" ({inst / steps:.2f} instantiations a step)" if steps else ""))
     print("\nhost CUDA API by total time, top 15")
     for k, t in api_total.most_common(15):
         print(f"  {t / 1e6:7.2f} ms {api_count[k]:7d}x  {k}")

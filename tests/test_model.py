@@ -252,7 +252,9 @@ def test_timeline_reads_nsys_sqlite(tmp_path, capsys):
 
     db = sqlite3.connect(tmp_path / "t.sqlite")
     db.execute("CREATE TABLE StringIds(id INTEGER, value TEXT)")
-    db.executemany("INSERT INTO StringIds VALUES(?, ?)", enumerate(["kA", "kB", "cudaGraphLaunch", "gpu::eval"]))
+    db.executemany("INSERT INTO StringIds VALUES(?, ?)", enumerate(["kA", "kB", "cudaGraphLaunch", "gpu::eval",
+                                                                   "cudaGraphInstantiate_v12000",
+                                                                   "cudaGraphExecUpdate_v10020"]))
     db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INT, end INT, shortName INT, correlationId INT)")
     db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME(start INT, end INT, nameId INT, correlationId INT)")
     db.execute("CREATE TABLE NVTX_EVENTS(start INT, end INT, text TEXT, textId INT)")
@@ -261,7 +263,8 @@ def test_timeline_reads_nsys_sqlite(tmp_path, capsys):
     db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES(?, ?, ?, ?)",
                    [(0, 10_000, 0, 1), (15_000, 20_000, 1, 1), (18_000, 30_000, 0, 2), (100_000, 110_000, 1, 3)])
     db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES(?, ?, ?, ?)",
-                   [(-5_000, -4_000, 2, 1), (5_000, 6_000, 2, 2), (60_000, 61_000, 2, 3)])
+                   [(-5_000, -4_000, 2, 1), (5_000, 6_000, 2, 2), (60_000, 61_000, 2, 3),
+                    (-9_000, -6_000, 4, 0), (55_000, 59_000, 4, 0), (2_000, 2_500, 5, 0)])
     db.execute("INSERT INTO NVTX_EVENTS VALUES(0, 5, 'gpu::eval', NULL)")
     db.commit()
     tl.analyze(tmp_path / "t.sqlite", steps=2, top=5)
@@ -270,3 +273,5 @@ def test_timeline_reads_nsys_sqlite(tmp_path, capsys):
     assert "device busy 0.04 ms (31.8 %), idle 0.07 ms in 2 gaps" in out  # busy 10 + 15 + 10 of 110 us
     assert "0.07 ms in 1 gaps; device-side: 0.01 ms" in out  # the 70 us gap was the host's, the 5 us one not
     assert "70.0  kA -> kB  late  cudaGraphLaunch" in out
+    assert ("CUDA graphs: Launch 3x 0.00 ms, Instantiate 2x 0.01 ms, ExecUpdate 1x 0.00 ms "
+            "(1.00 instantiations a step)") in out
