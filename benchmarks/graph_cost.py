@@ -99,13 +99,19 @@ class FakeKernels:
         W.kernel_backend, self.F.backend, self.F.get_fused_kernel, self.K.get_kernel = self.saved
 
 
-def op_counts(outputs: list[mx.array]) -> collections.Counter:
-    """Graph nodes by primitive name, plus ``kernel outputs`` / ``kernel inputs``: the arrays the kernel launches
-    (``Depends`` stand-ins) write and read. MLX's encode of a launch grows with both (benchmarks/RESULTS.md)."""
+def graph_dot(outputs: list[mx.array]) -> tuple[str, list[str]]:
+    """MLX's dot export of the graph behind ``outputs`` and its nodes' primitive names, in export order."""
     f = io.StringIO()
     mx.export_to_dot(f, *outputs)
     dot = f.getvalue()
-    counts = collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', dot))
+    return dot, re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', dot)
+
+
+def op_counts(outputs: list[mx.array]) -> collections.Counter:
+    """Graph nodes by primitive name, plus ``kernel outputs`` / ``kernel inputs``: the arrays the kernel launches
+    (``Depends`` stand-ins) write and read. MLX's encode of a launch grows with both (benchmarks/RESULTS.md)."""
+    dot, labels = graph_dot(outputs)
+    counts = collections.Counter(labels)
     launches = set(re.findall(r'(\d+) \[label ="Depends"', dot))
     outs = sum(1 for a in re.findall(r'^(\d+) -> "', dot, re.M) if a in launches)
     ins = sum(1 for b in re.findall(r'^"\w+" -> (\d+)$', dot, re.M) if b in launches)
@@ -128,9 +134,7 @@ def step_shapes(sess: Session, tok: mx.array, n: int) -> dict:
         return sum(a.shape[0] for c in sess.caches for a in (c.comp, c.index) if a is not None)
 
     def capture(work):
-        f = io.StringIO()
-        mx.export_to_dot(f, *[a for w in work for a in (w if isinstance(w, list) else [w])])
-        labels = re.findall(r'label\s*=\s*"([A-Za-z_0-9]+)', f.getvalue())
+        _, labels = graph_dot([a for w in work for a in (w if isinstance(w, list) else [w])])
         seen.append(tuple(a for a in labels if a not in VIEW_OPS))  # views launch nothing on the device
         mx.eval(work)
 

@@ -227,8 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     # completing window of each compress ratio) runs at least once, both on this thread's stream and from the
     # generation loop's encoder thread (its own stream, so its own graph cache; the sampler's kernel too): each
     # kind's first step costs its graphs' instantiation (1-3 ms each). The timed steps then go on from there,
-    # each over positions never decoded before, as a real generation: on MLX-CUDA positions decoded again ran
-    # faster (benchmarks/RESULTS.md, nineteenth and twentieth sessions).
+    # each over positions never decoded before, as a real generation: before the twentieth session's fix,
+    # positions decoded again ran faster on MLX-CUDA (benchmarks/RESULTS.md, nineteenth and twentieth sessions).
     decode_seconds(sess, warm_steps(cfg), pipelined=False)
     generate_seconds(sess, warm_steps(cfg))
     t_decode_sync, _ = decode_seconds(sess, n_decode, pipelined=False)

@@ -4,7 +4,7 @@
 
 Each variant restores the same session snapshot (prefill 1024 + warm-up) and decodes ``--decode`` greedy tokens
 (``--onward``: continues from where the last run stopped, over positions never decoded before, as a real
-generation does; on MLX-CUDA revisited positions run faster, benchmarks/RESULTS.md nineteenth session)
+generation does; before the twentieth session's fix MLX-CUDA ran revisited positions faster, benchmarks/RESULTS.md)
 with the token ids fed lazily (mlx-lm style), reading token k back after building step k + lag:
 ``lag1`` (what benchmarks/model.py headlines), ``lag1+3ms`` / ``lag1+6ms`` (the host made slower by a sleep per
 step), ``lag2`` and ``nowait`` (read back only at the end). If the host were the only limit, a sleep would add its

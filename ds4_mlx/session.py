@@ -91,7 +91,7 @@ class Session:
         # complete. MLX-CUDA reuses a CUDA graph only for the same topology; leaving that state for a later
         # step made the steps' graphs vary with history, and each new one cost 1-3 ms of cudaGraphInstantiate
         # (benchmarks/RESULTS.md, twentieth session).
-        work = [logits, *(a for c in self.caches for a in c.arrays())]
+        work = [logits, *(a for c in self.caches for a in c.decode_state().values())]
         (mx.eval if wait else self.queue_work)(work)
         self._tokens.extend(tokens if isinstance(tokens, list) else [tokens[0]])
         self.logits = logits

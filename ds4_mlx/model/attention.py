@@ -76,14 +76,6 @@ class LayerCache:
             st.update(index=self.index, ikv=self.index_state.kv, isc=self.index_state.score)
         return st
 
-    def arrays(self) -> list[mx.array]:
-        """Every array of the state (the row buffers whole, spare rows included)."""
-        out = [self.raw]
-        for rows, st in ((self.comp, self.comp_state), (self.index, self.index_state)):
-            if rows is not None:
-                out += [rows, st.kv, st.score]
-        return out
-
     def take_decode_state(self, st: dict[str, mx.array], key: "DecodeKey") -> None:
         """Adopt the arrays of a finished one-token step; one more token, one more row if a window completed."""
         self.raw, self.pos = st["raw"], self.pos + 1
