@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -326,6 +327,23 @@ def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
 # --- dispatch -----------------------------------------------------------------------------------------------
 
 
+class Cols(NamedTuple):
+    """Columns ``start ..`` of a one-row f32 array ``a [1, N]``, which a decode kernel reads where they are.
+
+    Decode splits a projection's output among several kernels (the Q/KV rows, the compressors' kv and gate,
+    the indexer's head weights). A slice is a graph node of its own, and MLX-CUDA's encode pays ~2 µs for every
+    node of a step, views included (benchmarks/RESULTS.md, twenty-first session): a kernel given ``Cols`` takes
+    the offset as a parameter instead."""
+
+    a: mx.array
+    start: int
+
+
+def cols(x: mx.array | Cols, width: int) -> mx.array:
+    """``x`` as an array: a :class:`Cols` sliced to its ``width`` columns (the pure-MLX paths), else ``x``."""
+    return x.a[:, x.start : x.start + width] if isinstance(x, Cols) else x
+
+
 @lru_cache(maxsize=4096)
 def _params(*vals: int) -> mx.array:
     """The int32[8] scalar block of a launch (cached: a fresh host array per call costs a copy)."""
@@ -373,12 +391,13 @@ def supports(qw) -> bool:
 def mv(
     qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
-    clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None,
+    clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None, x_rows: int | None = None,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
     ``x2``, ``ids`` and ``aux`` may come in any shape with those sizes (the kernel reads them flat), and
     ``shape`` names the output's shape (same size), so callers need no reshapes (each is a graph node).
+    ``x_rows=1`` (dense): x is the first ``in`` values of ``x2``, one token's row that holds more columns.
 
     Epilogues (mv.body): ``MV_SWIGLU`` reads ``w2`` (the up weight, same type and shape) next to ``qw`` (gate)
     and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
@@ -403,7 +422,7 @@ def mv(
         raise ValueError(f"mv: the SwiGLU epilogue needs an up weight like {qw!r} of a type in MV_SWIGLU_TYPES")
     if epi == MV_RMS and (gather or aux is None or aux.shape != (qw.shape[-1],) or aux.dtype != mx.float32):
         raise ValueError(f"mv: the RMSNorm epilogue is dense and needs the norm weight as float32 aux [{qw.shape[-1]}]")
-    n_x = x2.size // qw.shape[-1]  # rows of x
+    n_x = x2.size // qw.shape[-1] if x_rows is None else x_rows  # rows of x
     P = ids.size if gather else n_x
     if shared is not None and epi == MV_SUM:
         n_x -= P // k_slots  # the shared rows after the routed ones
@@ -582,28 +601,36 @@ def matmul(qw, x: mx.array, backend: str) -> mx.array:
     return y.reshape(*lead, qw.shape[0])
 
 
-def matmul_rms(qw, x: mx.array, norm: mx.array, eps: float, backend: str) -> mx.array:
+def matmul_rms(qw, x: mx.array | Cols, norm: mx.array, eps: float, backend: str) -> mx.array:
     """``rms_norm(x, norm, eps) @ W.T`` on the GPU backends: one matvec launch with the norm as its prologue
-    for decode-sized x, else MLX's rms_norm then :func:`matmul`."""
-    if _dense_mv(qw, x.size // qw.shape[-1]):
+    for decode-sized x, else MLX's rms_norm then :func:`matmul`. ``x`` may be the first columns of one token's
+    wider row (:class:`Cols` at 0): the kernel reads x flat, so it reads them in place."""
+    n_in = qw.shape[-1]
+    if isinstance(x, Cols):
+        if x.start == 0 and x.a.shape[0] == 1 and x.a.shape[-1] >= n_in and _dense_mv(qw, 1):
+            return mv(qw, x.a, backend, epi=MV_RMS, aux=norm, clamp=eps, shape=(1, qw.shape[0]), x_rows=1)
+        x = cols(x, n_in)
+    if _dense_mv(qw, x.size // n_in):
         x = x if x.dtype == mx.float32 else x.astype(mx.float32)
         return mv(qw, x, backend, epi=MV_RMS, aux=norm, clamp=eps, shape=(*x.shape[:-1], qw.shape[0]))
     return matmul(qw, mx.fast.rms_norm(x, norm, eps), backend)
 
 
-def gather_matmul(qw, x: mx.array, ids: mx.array, backend: str) -> mx.array:
-    """Expert-gathered product on the GPU backends: returns float32 [N, k, out]."""
+def gather_matmul(qw, x: mx.array, ids: mx.array, backend: str, out_shape: tuple[int, ...] | None = None) -> mx.array:
+    """Expert-gathered product on the GPU backends: returns float32 [N, k, out] (or ``out_shape``, same size)."""
     N, k = ids.shape
     E, n_out, n_in = qw.shape
+    out_shape = (N, k, n_out) if out_shape is None else out_shape
     if N * k == 0:
-        return mx.zeros((N, k, n_out), dtype=mx.float32)
+        return mx.zeros(out_shape, dtype=mx.float32)
+    x = x if x.dtype == mx.float32 else x.astype(mx.float32)  # [N, in] shared or N·k rows of in, per slot
     if not supports(qw):
-        return qw._fallback_gather_matmul(x, ids)
-    x = x if x.dtype == mx.float32 else x.astype(mx.float32)  # [N, in] shared or [N·k, in] per slot
+        x = x if x.shape == (N, n_in) else x.reshape(N, k, n_in)
+        return qw._fallback_gather_matmul(x, ids).reshape(out_shape)
     if N <= MV_MAX_TOKENS:
-        return mv(qw, x, backend, ids=ids, k_slots=k, shape=(N, k, n_out))  # as shaped: no reshape nodes
+        return mv(qw, x, backend, ids=ids, k_slots=k, shape=out_shape)  # as shaped: no reshape nodes
     y = mm_gather(qw, x.reshape(x.size // n_in, n_in), ids.reshape(N * k), k, backend)
-    return y.reshape(N, k, n_out)
+    return y.reshape(out_shape)
 
 
 def source_digest() -> str:

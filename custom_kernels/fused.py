@@ -47,8 +47,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import (
-    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, _dummy, _params, _read, build, mv, render_prelude,
-    render_source, supports,
+    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, Cols, _dummy, _params, _read, build, cols, mv,
+    render_prelude, render_source, supports,
 )
 
 #: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E), and of
@@ -115,7 +115,7 @@ SPECS = {
         (("kv", "float"), ("score", "float"), ("norm", "float"), ("rc", "float"), ("rs", "float"), ("fparams", "float"),
          ("kv_row", "float"), ("score_row", "float"), ("ape", "float"), ("at", "int32_t")),
         ("row", "kv_out", "score_out"),
-        ("HD", "ROWS", "LANES", "EMIT", "ROUND", "NOPE", "F16R"),
+        ("HD", "ROWS", "LANES", "EMIT", "KVO", "SCO", "ROUND", "NOPE", "F16R"),
         ("half", "float", "float"),  # the compile check's row type: the compressed KV cache's (f32 works too)
         "rounding.h",
     ),
@@ -186,8 +186,8 @@ def instantiations() -> list[tuple[str, tuple]]:
     out.append(("hc_post", (("NHC", 4),)))
     for hd, rows, lanes in ((512, 8, 2), (128, 8, 2), (512, 128, 1), (128, 16, 1), (128, 128, 1)):
         rnd = (("ROUND", 1), ("NOPE", 448), ("F16R", 1)) if hd == 512 else (("ROUND", 2), ("NOPE", 0), ("F16R", 1))
-        out += [("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", e)) + r)
-                for e in (0, 1) for r in (rnd, _NO_ROUNDING)]  # fmt: skip
+        out += [("comp_pool", (("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", e), ("KVO", 0), ("SCO", so)) + r)
+                for e, so in ((0, 0), (1, lanes * hd)) for r in (rnd, _NO_ROUNDING)]  # fmt: skip
     out.append(("comp_write", ()))
     for hd in (512, 128):
         out += [("attn_one", (("HD", hd), ("NSG", ATTN_NSG), ("USE_IDX", u), ("KV16", 1))) for u in (0, 1)]
@@ -266,6 +266,16 @@ def _check_f32(name: str, a: mx.array, shape: tuple) -> None:
         raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
     if a.dtype != mx.float32:
         raise ValueError(f"{name}: dtype {a.dtype}, expected float32")
+
+
+def _row_in_place(name: str, x: mx.array | Cols, width: int) -> tuple[mx.array, int]:
+    """``(array, column offset)`` of a one-row f32 input of ``width`` columns, given as an array or as Cols."""
+    a, start = (x.a, x.start) if isinstance(x, Cols) else (x, 0)
+    if a.ndim != 2 or a.shape[0] != 1 or not 0 <= start <= a.shape[1] - width:
+        raise ValueError(f"{name}: columns {start}..{start + width} of shape {tuple(a.shape)}, expected a [1, N] row")
+    if a.dtype != mx.float32:
+        raise ValueError(f"{name}: dtype {a.dtype}, expected float32")
+    return a, start
 
 
 # --- HC pre -----------------------------------------------------------------------------------------------
@@ -463,7 +473,7 @@ def compressor_pool(
     f, i = _dummy(mx.float32), _dummy(mx.int32)
     row = get_fused_kernel("comp_pool", b)(
         inputs=[kv, score, norm, C, S, _f32(float(eps)), f, f, f, i],
-        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 0), *rnd],
+        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 0), ("KVO", 0), ("SCO", 0), *rnd],
         grid=(nw * hd, 1, 1),
         threadgroup=(hd, 1, 1),
         output_shapes=[(nw, hd), (1,), (1,)],
@@ -529,10 +539,11 @@ def compressor_emit(
                          f"got {tuple(kv.shape)}, lanes={lanes}")
     rows, width = kv.shape
     hd = width // lanes
-    for name, a, shape in (("kv", kv, (rows, width)), ("score", score, (rows, width)), ("kv_row", kv_row, (1, width)),
-                           ("score_row", score_row, (1, width)), ("ape", ape, (1, width)), ("norm", norm, (hd,)),
-                           ("C", C, (1, hd)), ("S", S, (1, hd))):  # fmt: skip
+    for name, a, shape in (("kv", kv, (rows, width)), ("score", score, (rows, width)), ("ape", ape, (1, width)),
+                           ("norm", norm, (hd,)), ("C", C, (1, hd)), ("S", S, (1, hd))):  # fmt: skip
         _check_f32(f"compressor_emit: {name}", a, shape)
+    (kv_in, kvo), (sc_in, sco) = (_row_in_place(f"compressor_emit: {n}", a, width)
+                                  for n, a in (("kv_row", kv_row), ("score_row", score_row)))  # fmt: skip
     _check_at("compressor_emit", at)
     _check_pool_out("compressor_emit", rounding, out_dtype)
     if b == "fallback" or not _pool_kernel_fits(hd):
@@ -546,8 +557,8 @@ def compressor_emit(
         return row, empty_kv, empty_sc
     rnd, row_dtype, finish = _pool_rounding(rounding, hd, out_dtype)
     row, kv, score = get_fused_kernel("comp_pool", b)(
-        inputs=[kv, score, norm, C, S, _f32(float(eps), float(neg)), kv_row, score_row, ape, at],
-        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1), *rnd],
+        inputs=[kv, score, norm, C, S, _f32(float(eps), float(neg)), kv_in, sc_in, ape, at],
+        template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1), ("KVO", kvo), ("SCO", sco), *rnd],
         grid=(hd, 1, 1),
         threadgroup=(hd, 1, 1),
         output_shapes=[(1, hd), (rows, width), (rows, width)],
@@ -565,22 +576,23 @@ def compressor_write(
     *, backend: str | None = None,
 ) -> tuple[mx.array, mx.array]:  # fmt: skip
     """One decode token into its compressor frontier (MODEL.md §4.6): ``kv[at] = kv_row``,
-    ``score[at] = score_row + ape`` -> the new ``(kv, score)`` ``[R, W]``. ``kv_row``, ``score_row``, ``ape``
-    are ``[1, W]`` f32, ``at`` int32 ``[1]`` (the frontier row)."""
+    ``score[at] = score_row + ape`` -> the new ``(kv, score)`` ``[R, W]``. ``kv_row``, ``score_row`` (each
+    ``[1, W]`` or :class:`Cols`) and ``ape`` ``[1, W]`` are f32, ``at`` int32 ``[1]`` (the frontier row)."""
     b = _pick(backend)
     if kv.ndim != 2:
         raise ValueError(f"compressor_write: kv must be [R, W], got shape {tuple(kv.shape)}")
     R, W = kv.shape
     _check_f32("compressor_write: kv", kv, (R, W))
     _check_f32("compressor_write: score", score, (R, W))
-    for name, a in (("kv_row", kv_row), ("score_row", score_row), ("ape", ape)):
-        _check_f32(f"compressor_write: {name}", a, (1, W))
+    _check_f32("compressor_write: ape", ape, (1, W))
+    (kv_in, kvo), (sc_in, sco) = (_row_in_place(f"compressor_write: {n}", a, W)
+                                  for n, a in (("kv_row", kv_row), ("score_row", score_row)))  # fmt: skip
     _check_at("compressor_write", at)
     if b == "fallback":
-        return (mx.slice_update(kv, kv_row, at, axes=(0,)),
-                mx.slice_update(score, score_row + ape, at, axes=(0,)))  # fmt: skip
+        return (mx.slice_update(kv, cols(kv_row, W), at, axes=(0,)),
+                mx.slice_update(score, cols(score_row, W) + ape, at, axes=(0,)))  # fmt: skip
     return tuple(get_fused_kernel("comp_write", b)(
-        inputs=[kv, score, kv_row, score_row, ape, at, _params(R, W)],
+        inputs=[kv, score, kv_in, sc_in, ape, at, _params(R, W, kvo, sco)],
         grid=(R * W, 1, 1),
         threadgroup=(COMP_WRITE_THREADS, 1, 1),
         output_shapes=[(R, W), (R, W)],
@@ -725,23 +737,24 @@ def index_scores(
     iq: mx.array, w: mx.array, keys: mx.array, counts: mx.array, scale: float, *, backend: str | None = None
 ) -> mx.array:
     """The indexer's scores of one decode token (MODEL.md §4.7) -> ``[1, N]``: ``iq [1, H, D]`` query heads,
-    ``w [1, H]`` head weights (times ``scale``), ``keys [N, D]`` the indexer rows, of which the first ``counts[0]``
-    are scored (``counts`` from :func:`kernel_counts`; the kernel writes 0 past them, the fallback scores all)."""
+    ``w [1, H]`` head weights (or :class:`Cols`; times ``scale``), ``keys [N, D]`` the indexer rows, of which
+    the first ``counts[0]`` are scored (``counts`` from :func:`kernel_counts`; the kernel writes 0 past them, the
+    fallback scores all)."""
     b = _pick(backend)
     if iq.ndim != 3 or iq.shape[0] != 1:
         raise ValueError(f"index_scores: iq must be [1, H, D], got shape {tuple(iq.shape)}")
     _, H, D = iq.shape
     N = keys.shape[0]
     _check_f32("index_scores: iq", iq, (1, H, D))
-    _check_f32("index_scores: w", w, (1, H))
+    w_in, wo = _row_in_place("index_scores: w", w, H)
     _check_f32("index_scores: keys", keys, (N, D))
     _check_counts("index_scores", counts)
     if b == "fallback" or D % 32 or D > 256 or N == 0:
-        return index_scores_reference(iq, w, keys, scale)
+        return index_scores_reference(iq, cols(w, H), keys, scale)
     nsg = INDEX_SCORES_THREADS // 32
     G = min(-(-N // nsg), INDEX_SCORES_MAX_GROUPS)
     return get_fused_kernel("index_scores", b)(
-        inputs=[iq, w, keys, counts, _params(N, G), _f32(float(scale))],
+        inputs=[iq, w_in, keys, counts, _params(N, G, wo), _f32(float(scale))],
         template=[("NH", H), ("HD", D)],
         grid=(G * INDEX_SCORES_THREADS, 1, 1),
         threadgroup=(INDEX_SCORES_THREADS, 1, 1),
@@ -793,7 +806,8 @@ def qkv_rows(
 ) -> tuple[mx.array, mx.array]:
     """Query heads and KV row after their projections (MODEL.md §4.4, §4.12) -> ``q [T, n_head, D]``, ``kv [T, D]``.
 
-    ``qb [T, n_head*D]`` (attn_q_b output): per-head RMS norm (no weight), RoPE. ``kvb [T, D]`` (attn_kv output):
+    ``qb [T, n_head*D]`` (attn_q_b output): per-head RMS norm (no weight), RoPE. ``kvb [T, D]`` (attn_kv output;
+    one token's may be :class:`Cols`):
     RMS norm × ``norm [D]``, RoPE, then the FP8 round trip of the first ``nope_fp8`` dims (0: none) and f16
     rounding (``f16r``), as ds4 stores the row. ``C, S [T, D]``: the tokens' RoPE tables.
     ``window = (raw, keep, dtype)`` (one token): instead of the row, the raw window after it,
@@ -803,11 +817,15 @@ def qkv_rows(
     from ds4_mlx.numerics import f16r as round_f16, fp8_e4m3_round_trip
 
     b = _pick(backend)
-    if kvb.ndim != 2:
+    if isinstance(kvb, Cols):  # one token
+        T, D = 1, qb.shape[-1] // n_head
+        kv_in, kvo = _row_in_place("qkv_rows: kvb", kvb, D)
+    elif kvb.ndim != 2:
         raise ValueError(f"qkv_rows: kvb must be [T, D], got shape {tuple(kvb.shape)}")
-    T, D = kvb.shape
+    else:
+        (T, D), kv_in, kvo = kvb.shape, kvb, 0
+        _check_f32("qkv_rows: kvb", kvb, (T, D))
     _check_f32("qkv_rows: qb", qb, (T, n_head * D))
-    _check_f32("qkv_rows: kvb", kvb, (T, D))
     _check_f32("qkv_rows: norm", norm, (D,))
     _check_f32("qkv_rows: C", C, (T, D))
     _check_f32("qkv_rows: S", S, (T, D))
@@ -815,7 +833,7 @@ def qkv_rows(
         raise ValueError(f"qkv_rows: nope_fp8 must be a multiple of 64 in [0, {D}], got {nope_fp8}")
     if b == "fallback" or D % 64 or D > 1024 or T == 0:
         q = apply_rope(mx.fast.rms_norm(qb.reshape(T, n_head, D), None, eps), C[:, None, :], S[:, None, :])
-        kv = apply_rope(mx.fast.rms_norm(kvb, norm, eps), C, S)
+        kv = apply_rope(mx.fast.rms_norm(cols(kvb, D), norm, eps), C, S)
         if nope_fp8:
             kv = fp8_e4m3_round_trip(kv, nope_fp8)
         kv = round_f16(kv) if f16r else kv
@@ -825,15 +843,15 @@ def qkv_rows(
         kv = kv.astype(dtype)  # the row is f16-exact with f16r: cast the one row, not the f32 window
         return q, mx.concatenate([raw[raw.shape[0] - keep :].astype(dtype), kv]) if keep else kv
     if window is None:
-        raw, keep, dtype, wparams, rows = _dummy(mx.float32), 0, mx.float32, _params(0, 0), T
+        raw, keep, dtype, wparams, rows = _dummy(mx.float32), 0, mx.float32, _params(0, 0, kvo), T
     else:
         raw, keep, dtype = window
         if T != 1 or raw.ndim != 2 or raw.shape[1] != D or not 0 <= keep <= raw.shape[0]:
             raise ValueError(f"qkv_rows: window needs one token and raw [>= {keep}, {D}], got T={T}, {tuple(raw.shape)}")
         raw = raw.astype(dtype)  # a no-op once the window is stored as dtype (a fresh cache starts f32)
-        wparams, rows = _params(raw.shape[0], keep), keep + 1
+        wparams, rows = _params(raw.shape[0], keep, kvo), keep + 1
     return tuple(get_fused_kernel("qkv_rows", b)(
-        inputs=[qb, kvb, norm, C, S, _f32(float(eps)), raw, wparams],
+        inputs=[qb, kv_in, norm, C, S, _f32(float(eps)), raw, wparams],
         template=[("HD", D), ("NH", n_head), ("NOPE", nope_fp8), ("F16R", int(f16r)), ("WIN", int(window is not None))],
         grid=(T * (n_head + 1) * D, 1, 1),
         threadgroup=(D, 1, 1),

@@ -173,31 +173,42 @@ class QuantWeight:
             return _kernels().matmul(self, x, backend)
         return self._fallback_matmul(x)
 
-    def matmul_rms(self, x: mx.array, norm: mx.array, eps: float) -> mx.array:
-        """``rms_norm(x, norm, eps) @ W.T``: on the GPU backends the norm is the matvec's prologue (one launch)."""
+    def matmul_rms(self, x, norm: mx.array, eps: float) -> mx.array:
+        """``rms_norm(x, norm, eps) @ W.T``: on the GPU backends the norm is the matvec's prologue (one launch).
+        ``x [..., in]``, or one token's columns of a wider row (:class:`ds4_mlx.kernels.Cols`)."""
         backend = kernel_backend()
+        if not isinstance(x, mx.array):  # Cols: made by decode, which has imported the kernels
+            if backend != "fallback" and len(self.shape) == 2:
+                return _kernels().matmul_rms(self, x, norm, eps, backend)
+            x = _kernels().cols(x, self.in_features)
         if backend != "fallback" and len(self.shape) == 2 and x.shape[-1] == self.in_features:
             return _kernels().matmul_rms(self, x, norm, eps, backend)
         return self.matmul(mx.fast.rms_norm(x, norm, eps))
 
-    def gather_matmul(self, x: mx.array, ids: mx.array) -> mx.array:
+    def gather_matmul(self, x: mx.array, ids: mx.array, out_shape: tuple[int, ...] | None = None) -> mx.array:
         """Expert-gathered product for a 3-D ``(E, out, in)`` weight.
 
-        ``x``: ``[N, in]`` (one input shared by all k slots) or ``[N, k, in]`` (one input per slot);
-        ``ids``: int32 ``[N, k]`` expert ids. Returns float32 ``[N, k, out]`` with
-        ``y[n, s] = W[ids[n, s]] @ x[n(, s)]``. Experts that are not selected are never read.
+        ``x``: ``[N, in]`` (one input shared by all k slots) or ``[N, k, in]`` (one input per slot; any shape of
+        that size, in that order); ``ids``: int32 ``[N, k]`` expert ids. Returns float32 ``[N, k, out]`` (or
+        ``out_shape``, same size) with ``y[n, s] = W[ids[n, s]] @ x[n(, s)]``. Experts that are not selected
+        are never read. The decode kernels read x and write y flat, so the shapes cost no reshape nodes.
         """
         if len(self.shape) != 3:
             raise ValueError(f"gather_matmul needs a 3-D (E, out, in) weight, this one is {self.shape}")
         if ids.ndim != 2:
             raise ValueError(f"gather_matmul: ids must be [N, k], got {ids.shape}")
         N, k = ids.shape
-        if x.shape not in ((N, self.in_features), (N, k, self.in_features)):
-            raise ValueError(f"gather_matmul: x {x.shape} does not fit ids {ids.shape} and in={self.in_features}")
+        n_in, n_out = self.in_features, self.out_features
+        if x.shape != (N, n_in) and x.size != N * k * n_in:
+            raise ValueError(f"gather_matmul: x {x.shape} does not fit ids {ids.shape} and in={n_in}")
+        if out_shape is not None and int(np.prod(out_shape)) != N * k * n_out:
+            raise ValueError(f"gather_matmul: out_shape {out_shape} does not hold [{N}, {k}, {n_out}]")
         backend = kernel_backend()
         if backend != "fallback":
-            return _kernels().gather_matmul(self, x, ids, backend)
-        return self._fallback_gather_matmul(x, ids)
+            return _kernels().gather_matmul(self, x, ids, backend, out_shape)
+        x = x if x.shape == (N, n_in) else x.reshape(N, k, n_in)
+        y = self._fallback_gather_matmul(x, ids)
+        return y if out_shape is None else y.reshape(out_shape)
 
     # --- pure-MLX fallback ------------------------------------------------------------------------------
 

@@ -1083,3 +1083,55 @@ def test_cached_step_inputs_serve_any_thread(make, monkeypatch, in_other_thread)
     np.testing.assert_array_equal(np.array(pending), np.arange(5) * 2)
     fused.kernel_counts.cache_clear()  # made with the forced path: not for later tests
     compressor.index_array.cache_clear()
+
+
+# --- Cols: one token's columns read in place -----------------------------------------------------------------
+
+
+def in_row(parts: list[mx.array], seed: int) -> tuple[mx.array, list[fused.Cols]]:
+    """The one-row arrays ``parts`` laid out in one wider row (with random columns around them, as in a stacked
+    projection's output) and a Cols of each."""
+    rng = np.random.default_rng(seed)
+    pieces, at, cols = [], 0, []
+    for p in parts:
+        gap = rng.standard_normal((1, 3)).astype(np.float32)
+        pieces += [gap, np.array(p)]
+        cols.append(at + 3)
+        at += 3 + p.shape[1]
+    row = mx.array(np.concatenate(pieces + [rng.standard_normal((1, 5)).astype(np.float32)], axis=1))
+    return row, [fused.Cols(row, c) for c in cols]
+
+
+@pytest.mark.parametrize("b", ["fallback", BACKEND])
+def test_comp_write_and_emit_read_cols(b):
+    """The compressor's kv and gate rows as columns of one projection row: the same frontier and pooled row as
+    separate arrays, bit for bit, on the kernel and on the fallback."""
+    kv, sc, rows, ape, at_a, norm, C, S, *_ = emit_inputs(4, 128, 6, seed=11)
+    _, cols = in_row(rows, seed=11)
+    pool = dict(norm=norm, C=C, S=S, eps=1e-6, lanes=2, neg=NEG, backend=b)
+    for got, want in ((fused.compressor_write(kv, sc, *cols, ape, at_a, backend=b),
+                       fused.compressor_write(kv, sc, *rows, ape, at_a, backend=b)),
+                      (fused.compressor_emit(kv, sc, *cols, ape, at_a, **pool),
+                       fused.compressor_emit(kv, sc, *rows, ape, at_a, **pool))):  # fmt: skip
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.array(g), np.array(w))
+    with pytest.raises(ValueError, match="kv_row: columns"):
+        fused.compressor_write(kv, sc, fused.Cols(cols[0].a, cols[0].a.shape[1] - 8), cols[1], ape, at_a, backend=b)
+
+
+@pytest.mark.parametrize("b", ["fallback", BACKEND])
+def test_qkv_rows_and_index_scores_read_cols(b):
+    """The KV projection and the indexer's head weights as columns of a wider row: the same results as the arrays."""
+    qb, kvb, norm, C, S = qkv_inputs(1, 4, 128, seed=4)
+    _, (kv_c,) = in_row([kvb], seed=4)
+    for win in (None, (mx.array(np.random.default_rng(4).standard_normal((6, 128)).astype(np.float16)), 5, mx.float16)):
+        got = fused.qkv_rows(qb, kv_c, norm, C, S, 1e-6, 4, nope_fp8=64, f16r=True, window=win, backend=b)
+        want = fused.qkv_rows(qb, kvb, norm, C, S, 1e-6, 4, nope_fp8=64, f16r=True, window=win, backend=b)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.array(g), np.array(w))
+    iq, w, keys = index_scores_inputs(16, 128, 40, seed=2)
+    _, (w_c,) = in_row([mx.array(w)], seed=2)
+    counts = fused.kernel_counts(33, 4)
+    got = fused.index_scores(mx.array(iq), w_c, mx.array(keys), counts, 0.1, backend=b)
+    want = fused.index_scores(mx.array(iq), mx.array(w), mx.array(keys), counts, 0.1, backend=b)
+    np.testing.assert_array_equal(np.array(got), np.array(want))

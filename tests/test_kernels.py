@@ -257,3 +257,41 @@ def test_warp_is_32_lanes():
     x = rng.standard_normal((1, 32 * 64)).astype(np.float32)
     y = np.array(kernels.mv(w, mx.array(x), BACKEND, init=NAN))
     assert rel_err(y, x, ref, "ni,oi->no") <= F32_TOL
+
+
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.IQ2_XXS], ids=lambda q: q.name)
+def test_mv_rms_reads_a_prefix_in_place(qt):
+    """matmul_rms of ``Cols(row, 0)``: the first ``in`` values of one token's wider row (attn_q_a n, then attn_kv
+    n, in decode), read in place: the same result as the sliced x, on the kernels and on the fallback."""
+    rng = np.random.default_rng(int(qt))
+    n_in = 4 * 256
+    w, ref = make_weight(rng, qt, (40, n_in), np.float32)
+    row = mx.array((rng.standard_normal((1, n_in + 512)) * 2.0).astype(np.float32))  # 1.5x in: x.size // in == 1
+    wide = mx.array((rng.standard_normal((1, 3 * n_in)) * 2.0).astype(np.float32))  # 3x in
+    nw = mx.array(rng.uniform(0.2, 2.0, n_in).astype(np.float32))
+    for b in (BACKEND, "fallback"):
+        with kernel_backend_set(b):
+            for r in (row, wide):
+                want = np.array(w.matmul_rms(r[:, :n_in], nw, 1e-6))
+                np.testing.assert_array_equal(np.array(w.matmul_rms(kernels.Cols(r, 0), nw, 1e-6)), want)
+            np.testing.assert_array_equal(np.array(w.matmul_rms(kernels.Cols(wide, 7), nw, 1e-6)),
+                                          np.array(w.matmul_rms(wide[:, 7 : 7 + n_in], nw, 1e-6)))  # fmt: skip
+
+
+def test_gather_matmul_flat_x_and_out_shape():
+    """gather_matmul takes per-slot x in any shape of [N, k, in]'s size and gives ``out_shape``: the decode's grouped
+    output projection passes the attention's [T, H, D] and takes [T, G*L] (no reshape nodes)."""
+    rng = np.random.default_rng(5)
+    w, _ = make_weight(rng, QT.Q8_0, (4, 24, 256), np.float32)
+    x = mx.array(rng.standard_normal((1, 8, 128)).astype(np.float32))  # [T, H, D] with H*D = k*in
+    ids = mx.array([[0, 1, 2, 3]], dtype=mx.int32)
+    for b in (BACKEND, "fallback"):
+        with kernel_backend_set(b):
+            want = np.array(w.gather_matmul(x.reshape(1, 4, 256), ids)).reshape(1, 96)
+            got = w.gather_matmul(x, ids, out_shape=(1, 96))
+            assert got.shape == (1, 96)
+            np.testing.assert_array_equal(np.array(got), want)
+    with pytest.raises(ValueError, match="out_shape"):
+        w.gather_matmul(x, ids, out_shape=(1, 95))
+    with pytest.raises(ValueError, match="does not fit"):
+        w.gather_matmul(x[:, :7], ids)

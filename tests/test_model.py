@@ -137,7 +137,9 @@ def test_decode_step_launch_budget():
     norm as the q_b matvec's prologue. A step that completes the ratio-4 windows (ctx 67) had ~33 before their
     rows' FP8/QAT/f16 rounding moved into the emit launch, 26.2 after. 24.0 (25.3 completing) with each
     layer's last HC post inside the next layer's first mix. 22.0 (23.3) with the shared expert inside the
-    routed experts' two launches.
+    routed experts' two launches. Views: 53 (63 completing) here until decode's kernels read their columns of a
+    stacked projection in place (``Cols``) and the grouped output projection took the attention output as it is
+    shaped; 15 (25) after (43 layers at ctx 600: 332 -> 15).
     """
     import importlib.util
     from pathlib import Path
@@ -151,13 +153,13 @@ def test_decode_step_launch_budget():
     # every launch writes at least one array and reads several (weights, activations, parameter blocks)
     assert res["kernel_launches"] < res["kernel_outputs"] < 2 * res["kernel_launches"] < res["kernel_inputs"], res
     assert res["launches_per_layer"] <= 22.5, res
-    assert res["view_ops"] <= 10 * 6, res
+    assert res["view_ops"] <= 3 * 6, res
     # the per-kernel counts of the stand-ins add up to what the graph holds
     assert [sum(v[i] for v in res["by_kernel"].values()) for i in (0, 1)] == [res["kernel_launches"],
                                                                               res["kernel_outputs"]], res
     res = gc.main(["--layers", "6", "--ctx", "67", "--reps", "2"])  # this step completes the ratio-4 windows
     assert res["launches_per_layer"] <= 24, res
-    assert res["view_ops"] <= 11 * 6, res
+    assert res["view_ops"] <= 5 * 6, res
     # 40 steps onward: one graph shape per kind of step (which windows complete, a row buffer's growth), as
     # MLX-CUDA caches CUDA graphs by topology: no state left for a later step, no new input made inside a step
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "1", "--steps", "40"])

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import attend_one, kernel_counts, qkv_rows, top_k_rows  # Metal/CUDA kernels; MLX on CPU
+from ..kernels.fused import Cols, attend_one, kernel_counts, qkv_rows, top_k_rows  # Metal/CUDA kernels; MLX on CPU
 from ..numerics import Numerics, get_numerics, kv_rounding
 from ..weights import QuantWeight
 from .compressor import Compressor, CompressorState, index_array
@@ -194,10 +194,9 @@ def attend(
     return o
 
 
-def _split(y: mx.array, sizes: tuple[int, ...]) -> list[mx.array]:
-    """``y [T, sum(sizes)]`` -> its consecutive column blocks (views)."""
-    starts = np.cumsum([0, *sizes])
-    return [y[:, a:b] for a, b in zip(starts, starts[1:])]
+def _split_cols(y: mx.array, sizes: tuple[int, ...]) -> list[Cols]:
+    """One token's ``y [1, sum(sizes)]`` -> its consecutive column blocks, read in place by the kernels."""
+    return [Cols(y, int(a)) for a in np.cumsum([0, *sizes[:-1]])]
 
 
 class Attention:
@@ -303,11 +302,14 @@ class Attention:
     ) -> tuple[mx.array, mx.array, mx.array]:
         """Normed input ``n [T, E]`` -> ``qa [T, q_lora]`` (``attn_q_a n``, before its norm: ``qr = rms(qa) *
         attn_q_a_norm`` is the prologue of each matvec that reads it), RoPE'd ``q [T, H, D]`` and the stored KV
-        row (with ``window``, the new raw window: see :func:`qkv_rows`)."""
+        row (with ``window``, one token: the new raw window, see :func:`qkv_rows`, and ``qa`` as :class:`Cols`)."""
         q_a_kv = self.attn_q_a_kv.matmul(n)  # [T, q_lora + D]: attn_q_a n, then attn_kv n
-        qa = q_a_kv[:, : self.q_lora]
+        if window is None:
+            qa, kvb = q_a_kv[:, : self.q_lora], q_a_kv[:, self.q_lora :]
+        else:  # one token: its kernels read the columns in place (no slice nodes)
+            qa, kvb = Cols(q_a_kv, 0), Cols(q_a_kv, self.q_lora)
         q, kv = qkv_rows(  # q = rope(headrms(q_b qr)) [T, H, D]; kv = kv_row(rope(rms(attn_kv n))) [T, D]
-            self.attn_q_b.matmul_rms(qa, self.attn_q_a_norm, self.eps), q_a_kv[:, self.q_lora :],
+            self.attn_q_b.matmul_rms(qa, self.attn_q_a_norm, self.eps), kvb,
             self.attn_kv_a_norm, C, S, self.eps, self.n_head, nope_fp8=self.nope if self.numerics.fp8_kv else 0,
             f16r=self.numerics.f16_cache, window=window,
         )  # fmt: skip
@@ -351,10 +353,10 @@ class Attention:
         qa, q, window = self._project(n, io["C"], io["S"], (raw, min(raw.shape[0], W - 1), self.kv_dtype))
         st = dict(st, raw=window)
         if self.n_f16 is not None:  # one matvec for the compressors' and the indexer's projections of n
-            ckv, cg, hw, ikv, ig = _split(self.n_f16.matmul(n), self.n_f16_cols)
+            ckv, cg, hw, ikv, ig = _split_cols(self.n_f16.matmul(n), self.n_f16_cols)
             comp_proj, index_proj = (ckv, cg), (ikv, ig)
         elif r:
-            comp_proj = self.compressor.project(n)
+            comp_proj = self.compressor.project_one(n)
         if r:
             row, st["ckv"], st["csc"] = self.compressor.decode(comp_proj, st["ckv"], st["csc"], io["comp"], key.complete)
             if row is not None:
@@ -429,11 +431,10 @@ class Attention:
         """``low [T, G*o_lora]``: group g (heads g*H/G ..) times its own o_lora rows of attn_output_a."""
         T = o.shape[0]
         G, L = self.n_group, self.o_lora
-        og = o.reshape(T, G, -1)  # [T, G, (H/G)*D]
-        # attn_output_a viewed as G "experts" of shape [L, (H/G)*D]; token t's slot g uses expert g, so each
-        # row block is read once and multiplied only by its own group (no G x wasted work or weight reads).
-        low = self._output_a_grouped().gather_matmul(og, _group_ids(T, G))  # [T, G, L]
-        return low.reshape(T, G * L)
+        # attn_output_a viewed as G "experts" of shape [L, (H/G)*D]; token t's slot g uses expert g (its heads
+        # g*H/G.. of o, read as [T, G, (H/G)*D]), so each row block is read once and multiplied only by its own
+        # group (no G x wasted work or weight reads).
+        return self._output_a_grouped().gather_matmul(o, _group_ids(T, G), out_shape=(T, G * L))
 
     def _output_a_grouped(self):
         """attn_output_a as a 3-D ``(G, o_lora, (H/G)*D)`` weight over the same bytes (built on first use)."""

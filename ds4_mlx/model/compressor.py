@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import compressor_emit, compressor_pool, compressor_write, resident
+from ..kernels.fused import Cols, compressor_emit, compressor_pool, compressor_write, resident
 from ..numerics import RowRounding
 from ..weights import QuantWeight
 from .rope import Rope
@@ -97,6 +97,11 @@ class Compressor:
         y = self.wkv_gate.matmul(n)  # [T, 2w]
         return y[:, : self.width], y[:, self.width :]
 
+    def project_one(self, n: mx.array) -> tuple[Cols, Cols]:
+        """:meth:`project` of one token, as columns of the one projection row (the kernels read them in place)."""
+        y = self.wkv_gate.matmul(n)  # [1, 2w]
+        return Cols(y, 0), Cols(y, self.width)
+
     def __call__(self, n: mx.array, pos: int, state: CompressorState) -> tuple[mx.array | None, CompressorState]:
         """Feed ``n [T, E]`` (attn-normed inputs at positions ``pos..pos+T-1``).
 
@@ -107,7 +112,7 @@ class Compressor:
         T = n.shape[0]
         if T == 1:
             io = self.decode_inputs(pos)
-            row, kv, sc = self.decode(self.project(n), state.kv, state.score, io, complete=(pos + 1) % r == 0)
+            row, kv, sc = self.decode(self.project_one(n), state.kv, state.score, io, complete=(pos + 1) % r == 0)
             return row, CompressorState(kv, sc)
         kv_cur, sc_cur = self.project(n)  # [T, w] each
         sc_cur = sc_cur + self._ape_rows(pos, T)
@@ -154,10 +159,11 @@ class Compressor:
         return {"at": index_array(k + (r if self.coff == 2 else 0)), "ape": self._ape_row[k], "C": C, "S": S}
 
     def decode(
-        self, proj: tuple[mx.array, mx.array], kv: mx.array, score: mx.array, io: dict[str, mx.array], complete: bool
+        self, proj: tuple[mx.array | Cols, mx.array | Cols], kv: mx.array, score: mx.array, io: dict[str, mx.array],
+        complete: bool,
     ) -> tuple[mx.array | None, mx.array, mx.array]:
-        """One token, given as its projections ``proj = (kv, gate)`` ``[1, w]`` each (:meth:`project`): write it
-        into its frontier row; pool when it ``complete``s a window.
+        """One token, given as its projections ``proj = (kv, gate)``, ``[1, w]`` each or :class:`Cols`
+        (:meth:`project_one`): write it into its frontier row; pool when it ``complete``s a window.
 
         A pure function of arrays (``io`` from :meth:`decode_inputs`), so a decode step can be compiled; same
         math as the chunked path. Returns ``(row [1, hd] or None, new kv, new score)``.
