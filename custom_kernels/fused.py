@@ -270,12 +270,15 @@ def _check_f32(name: str, a: mx.array, shape: tuple) -> None:
 
 def _row_in_place(name: str, x: mx.array | Cols, width: int) -> tuple[mx.array, int]:
     """``(array, column offset)`` of a one-row f32 input of ``width`` columns, given as an array or as Cols."""
-    a, start = (x.a, x.start) if isinstance(x, Cols) else (x, 0)
-    if a.ndim != 2 or a.shape[0] != 1 or not 0 <= start <= a.shape[1] - width:
-        raise ValueError(f"{name}: columns {start}..{start + width} of shape {tuple(a.shape)}, expected a [1, N] row")
-    if a.dtype != mx.float32:
-        raise ValueError(f"{name}: dtype {a.dtype}, expected float32")
-    return a, start
+    if not isinstance(x, Cols):
+        _check_f32(name, x, (1, width))
+        return x, 0
+    a = x.a
+    if a.ndim != 2 or not 0 <= x.start <= a.shape[1] - width:
+        raise ValueError(f"{name}: columns {x.start}..{x.start + width} of shape {tuple(a.shape)}, "
+                         "expected a [1, N] row")
+    _check_f32(name, a, (1, a.shape[1]))
+    return a, x.start
 
 
 # --- HC pre -----------------------------------------------------------------------------------------------

@@ -177,12 +177,11 @@ class QuantWeight:
         """``rms_norm(x, norm, eps) @ W.T``: on the GPU backends the norm is the matvec's prologue (one launch).
         ``x [..., in]``, or one token's columns of a wider row (:class:`ds4_mlx.kernels.Cols`)."""
         backend = kernel_backend()
-        if not isinstance(x, mx.array):  # Cols: made by decode, which has imported the kernels
-            if backend != "fallback" and len(self.shape) == 2:
-                return _kernels().matmul_rms(self, x, norm, eps, backend)
+        on_kernels = backend != "fallback" and len(self.shape) == 2
+        if not isinstance(x, mx.array) and not on_kernels:  # Cols (made by decode, which imported the kernels)
             x = _kernels().cols(x, self.in_features)
-        if backend != "fallback" and len(self.shape) == 2 and x.shape[-1] == self.in_features:
-            return _kernels().matmul_rms(self, x, norm, eps, backend)
+        if on_kernels and (not isinstance(x, mx.array) or x.shape[-1] == self.in_features):
+            return _kernels().matmul_rms(self, x, norm, eps, backend)  # takes Cols too
         return self.matmul(mx.fast.rms_norm(x, norm, eps))
 
     def gather_matmul(self, x: mx.array, ids: mx.array, out_shape: tuple[int, ...] | None = None) -> mx.array:
