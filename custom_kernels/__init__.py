@@ -398,6 +398,8 @@ def mv(
     ``x2``, ``ids`` and ``aux`` may come in any shape with those sizes (the kernel reads them flat), and
     ``shape`` names the output's shape (same size), so callers need no reshapes (each is a graph node).
     ``x_rows=1`` (dense): x is the first ``in`` values of ``x2``, one token's row that holds more columns.
+    The kernel loads x as float4: a slice passed in must start 16-byte aligned (MLX hands a view's pointer over
+    at its offset; every column start the model takes is a multiple of 64 floats).
 
     Epilogues (mv.body): ``MV_SWIGLU`` reads ``w2`` (the up weight, same type and shape) next to ``qw`` (gate)
     and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
