@@ -76,10 +76,6 @@ MV_SWIGLU_TYPES = tuple(t for t in KERNEL_TYPES if t != QT.F32)
 #: GGUFs: Q8_0), and the routed types the compile checks pair it with (every launch type works).
 MV_SHARED_TYPE = QT.Q8_0
 MV_SHARED_ROUTED = (QT.IQ2_XXS, QT.Q2_K, QT.Q4_K)
-# Quantized x (mv.body XQ): the types that decode in octets, on the backends where the routed experts' launches
-# use it (ds4-CUDA's numerics; the sim backend runs the CUDA text). Metal keeps f32 x (ds4-Metal's).
-MV_XQ_TYPES = (QT.Q8_0, QT.Q2_K, QT.IQ2_XXS)
-MV_XQ_BACKENDS = frozenset({"cuda", "sim"})
 
 INPUTS = {
     "mv": ["w", "x", "ids", "params", "w2", "aux", "ws"],
@@ -272,22 +268,12 @@ def mv_launch_shapes(qtype: QT, epi: int) -> list[tuple[int, int, int]]:
     return [(nr, nsg, ks) for nr, nsg in sorted(shapes) for ks in sorted({1, 2, nsg}) if nsg % ks == 0]
 
 
-def mv_xq(qtype: QT, backend: str, gather: bool, epi: int, shared_qt: QT | None = None) -> bool:
-    """Whether a matvec launch quantizes x (mv.body ``XQ``): the routed experts' launches (gathered, SwiGLU or
-    sum epilogue), where the f32 IQ2_XXS / Q2_K matvec is bound by instruction issue (benchmarks/RESULTS.md),
-    on MV_XQ_BACKENDS unless $DS4_MLX_XQ is 0. The other launches are bound by bandwidth and keep f32 x."""
-    return (gather and epi in (MV_SWIGLU, MV_SUM) and backend in MV_XQ_BACKENDS and qtype in MV_XQ_TYPES
-            and (shared_qt is None or shared_qt in MV_XQ_TYPES) and os.environ.get("DS4_MLX_XQ", "1") != "0")  # fmt: skip
-
-
 def mv_template(
-    qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN, shared_qt: QT | None = None,
-    xq: bool = False,
-) -> tuple:  # fmt: skip
-    """``shared_qt``: the type of the shared expert's weight read by the same launch (mv.body ``SH``); ``xq``:
-    quantized x (:func:`mv_xq`)."""
+    qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN, shared_qt: QT | None = None
+) -> tuple:
+    """``shared_qt``: the type of the shared expert's weight read by the same launch (mv.body ``SH``)."""
     return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks), ("EPI", epi),
-            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)), ("XQ", bool(xq)))
+            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)))
 
 
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
@@ -304,12 +290,9 @@ def instantiations() -> list[Instantiation]:
                         or (epi == MV_SWIGLU and qt not in MV_SWIGLU_TYPES)):  # fmt: skip
                     continue
                 for nr, nsg, ks in mv_launch_shapes(qt, epi):
-                    shared = [None]
+                    out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi)))
                     if gather and epi in (MV_SWIGLU, MV_SUM) and qt in MV_SHARED_ROUTED:  # MoE + shared expert
-                        shared.append(MV_SHARED_TYPE)
-                    for sh in shared:
-                        for xq in sorted({False, mv_xq(qt, "cuda", gather, epi, sh)}):
-                            out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, sh, xq)))
+                        out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, MV_SHARED_TYPE)))
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
     return out
@@ -409,7 +392,6 @@ def mv(
     qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
     clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None, x_rows: int | None = None,
-    xq: bool | None = None,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
@@ -423,8 +405,7 @@ def mv(
     and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
     ``MV_SUM`` (gathered) returns ``[P/k, out]``, each token's k products summed, plus ``aux`` if given;
     ``MV_RMS`` (dense) returns ``W @ rms_norm(x, aux, clamp)``: ``aux [in]`` is the norm weight, ``clamp`` eps.
-    ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG), ``xq`` the
-    choice of quantized x (default :func:`mv_xq`; only the types in MV_XQ_TYPES have it).
+    ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG).
 
     ``shared`` (gathered ``MV_SWIGLU`` / ``MV_SUM``): the shared expert in the same launch, T = P/k tokens.
     SwiGLU: ``shared`` holds its gate rows then its up rows (``[2·out, in]``) and the result is ``[P + T, out]``,
@@ -448,12 +429,8 @@ def mv(
     if shared is not None and epi == MV_SUM:
         n_x -= P // k_slots  # the shared rows after the routed ones
     shared_qt = None if shared is None else shared.qtype
-    if xq is None:
-        xq = mv_xq(qw.qtype, backend, gather, epi, shared_qt)
-    elif xq and (epi == MV_RMS or qw.qtype not in MV_XQ_TYPES or shared_qt not in (None, *MV_XQ_TYPES)):
-        raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
-    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, shared_qt, xq)
+    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, shared_qt)
     plan = qw._cache.get(("mv",) + key)
     if plan is None:
         plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
@@ -476,7 +453,7 @@ def mv(
 
 def _mv_plan(
     qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: bool = False,
-    clamp: float = 0.0, shared_qt: QT | None = None, xq: bool = False,
+    clamp: float = 0.0, shared_qt: QT | None = None,
 ) -> tuple:  # fmt: skip
     """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
@@ -491,7 +468,7 @@ def _mv_plan(
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux))
     groups = -(-n_out // (nr * nsg // ks))
-    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt, xq))
+    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt))
     return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 

@@ -158,74 +158,11 @@ DS_FN float ds_dot8(int qt, const DS_TG uint8_t* row, uint32_t o, const DS_THR f
   }
 }
 
-// Quantized x (mv.body XQ): octet x[0..7] as two signed-byte vectors, x ≈ d·(q + r/128) with d = max|x|/127,
-// q = rint(x/d) in q[0..1] and the remainder r = rint(128·(x − d·q)/d) (|r| ≤ 64) in q[2..3] (x[j] in byte
-// j % 4 of each pair's word j / 4): 1/32768 of max|x| at worst, against 1/254 with q alone (ds4-CUDA's Q8_K),
-// which moves a tiny model's logits by ~7 % and flips its greedy tokens (QUANTS.md §8 ruling 4).
-// s = Σ of the quantized x (ds4's Q8_K bsums: the Q2_K min term sees the x that the rest of the dot sees).
-DS_FN void ds_xq8(const DS_THR float* x, DS_THR uint32_t* q, DS_THR float& d, DS_THR float& s) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) amax = DS_FABS(x[j]) > amax ? DS_FABS(x[j]) : amax;
-  d = amax * (1.0f / 127.0f);
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  int sq = 0, sr = 0;
-  q[0] = q[1] = q[2] = q[3] = 0u;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float a = DS_RINT(x[j] * inv);
-    const int r = (int)DS_RINT(DS_FMA(-a, d, x[j]) * (128.0f * inv));
-    sq += (int)a;
-    sr += r;
-    q[j >> 2] |= ((uint32_t)(int)a & 255u) << (8 * (j & 3));
-    q[2 + (j >> 2)] |= ((uint32_t)r & 255u) << (8 * (j & 3));
-  }
-  s = d * ((float)sq + (float)sr * (1.0f / 128.0f));
-}
-
-// ds_dot8 with x quantized (ds_xq8: q, d, s): integer dots of 4 bytes (ds_dp4a) with q and with the
-// remainder, one f32 scale an octet.
-DS_FN float ds_dot8q(int qt, const DS_TG uint8_t* row, uint32_t o, const DS_THR uint32_t* q, float d, float s,
-                     const DS_TG uint32_t* grid) {
-  const uint32_t u = o >> 2, k = o & 3u;
-  uint32_t lo, hi;  // the octet's weights as signed bytes (Q8_0, IQ2_XXS) or 0..3 (Q2_K)
-  float scale;
-  if (qt == DS_Q8_0) {
-    const DS_TG uint8_t* b = row + 34u * u;
-    lo = ds_tld32_a2(b + 2 + 8 * k);
-    hi = ds_tld32_a2(b + 6 + 8 * k);
-    scale = ds_tf16(b);
-  } else if (qt == DS_Q2_K) {
-    const DS_TG uint8_t* b = row + 84u * (u >> 3);
-    const uint32_t r = u & 7u, sh = 2u * (r & 3u);
-    const DS_TG uint8_t* p = b + 16 + 32 * (r >> 2) + 8 * k;
-    lo = (ds_tld32(p) >> sh) & 0x03030303u;
-    hi = (ds_tld32(p + 4) >> sh) & 0x03030303u;
-    const uint32_t sc = b[2 * r + (k >> 1)];
-    scale = ds_tf16(b + 80) * float(sc & 15u);
-    s *= ds_tf16(b + 82) * float(sc >> 4);  // the min term
-  } else {  // DS_IQ2_XXS: magnitudes (8, 25 or 43) as bytes, negated where the sign bit is set: (g ^ m) + (m & 1)
-    const DS_TG uint8_t* b = row + 66u * (u >> 3);
-    const DS_TG uint8_t* g = b + 2 + 8 * (u & 7u);
-    const uint32_t gi = g[k], B = ds_tld32_a2(g + 4);
-    const uint32_t sg = ds_iq2_signs((B >> (7 * k)) & 127u);
-    // sign bit j (and 4 + j) to bit 0 of byte j: bit j lands at 8j (the products' bits never overlap)
-    const uint32_t one_lo = ((sg & 15u) * 0x00204081u) & 0x01010101u, one_hi = ((sg >> 4) * 0x00204081u) & 0x01010101u;
-    lo = (grid[2 * gi] ^ (one_lo * 255u)) + one_lo;
-    hi = (grid[2 * gi + 1] ^ (one_hi * 255u)) + one_hi;
-    scale = ds_tf16(b) * (0.5f + float(B >> 28)) * 0.25f;
-  }
-  const int dq = ds_dp4a(lo, q[0], ds_dp4a(hi, q[1], 0)), dr = ds_dp4a(lo, q[2], ds_dp4a(hi, q[3], 0));
-  const float dot = scale * d * ((float)dq + (float)dr * (1.0f / 128.0f));
-  return qt == DS_Q2_K ? dot - s : dot;
-}
-
 // The span loop of one pair of mv.body, for weights of type QX: rows at wa + off (and, NW == 2, the second
 // weight's at wb + off_b), rb bytes apart, staged SPAN bytes apart; acc[NR·NW] gathers each row's dot with
 // x = xr (EPI 3: x·nw, its Σx² into ssq). A function of the type, so one launch can read two types (the
-// routed experts and the shared expert, mv.body SH). XQ (octet types): each lane quantizes its octets of x
-// once a span (ds_xq8) and every row dots them in integers (ds_dot8q).
-template <int QX, int NR, int NW, int KS, int EPI, int SPAN, bool XQ>
+// routed experts and the shared expert, mv.body SH).
+template <int QX, int NR, int NW, int KS, int EPI, int SPAN>
 DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint64_t off,
                        uint64_t off_b, uint32_t rb, uint32_t nrows, uint32_t n_units, uint32_t kpart, uint32_t lane,
                        const DS_DEV float* xr, const DS_DEV float* nw, DS_THR float* acc, DS_THR float& ssq,
@@ -265,13 +202,6 @@ DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_
         xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
       }
     }
-    constexpr bool Q = XQ && OCT && EPI != 3;
-    uint32_t xq[Q ? 16 : 1];
-    float xd[Q ? 4 : 1], xsum[Q ? 4 : 1];
-    if (Q) {
-#pragma unroll
-      for (int p = 0; p < 4; ++p) ds_xq8(xv + 8 * p, xq + 4 * p, xd[p], xsum[p]);
-    }
     if (DS_ASYNC_COPIES && un < n_units) DS_MV_STAGE(un, buf ^ 1u);  // into the other buffer, during this span
     DS_ASYNC_COMMIT();
     DS_ASYNC_WAIT_PREV();  // this span's copy has landed (the next one may still be in flight)
@@ -284,9 +214,7 @@ DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_
         if (o >= 4 * nu) break;  // octets past K (uniform per p but for the last span's partial pass)
 #pragma unroll
         for (int r = 0; r < NRW; ++r) {
-          if ((uint32_t)(r % NR) < nrows)
-            acc[r] += Q ? ds_dot8q(QX, cur + r * SPAN, o, xq + 4 * p, xd[p], xsum[p], grid)
-                        : ds_dot8(QX, cur + r * SPAN, o, xv + 8 * p, grid);
+          if ((uint32_t)(r % NR) < nrows) acc[r] += ds_dot8(QX, cur + r * SPAN, o, xv + 8 * p, grid);
         }
       }
     } else if (lane < nu) {

@@ -24,9 +24,7 @@ from ds4_mlx.model.rope import Rope
 from ds4_mlx.numerics import RowRounding
 from ds4_mlx.kernels import fused
 from ds4_mlx.weights import QuantWeight, _kernels
-from kernel_util import (
-    BACKEND, gpu_only, gxx_metal_check, needs_gpu, nvcc_compile, quantize_x_octets, render_metal_sources,
-)  # fmt: skip
+from kernel_util import BACKEND, gpu_only, gxx_metal_check, needs_gpu, nvcc_compile, render_metal_sources
 
 kernels = _kernels()
 
@@ -969,22 +967,10 @@ EXPERT_CASES = [  # qt, E experts, F, n_embd, T, k: small (K split, ragged rows)
 ]
 
 
-@pytest.fixture(params=[False, True], ids=["f32_x", "quantized_x"])
-def xq(request, monkeypatch):
-    """The routed experts' launches with f32 x, then with x quantized where the backend does that
-    (kernels.mv_xq). Returns the x a reference must use: x itself, or x as the kernel quantized it."""
-    if not request.param:
-        monkeypatch.setenv("DS4_MLX_XQ", "0")
-        return lambda a: a
-    if BACKEND not in kernels.MV_XQ_BACKENDS:
-        pytest.skip(f"x is not quantized on {BACKEND}")
-    return lambda a: mx.array(quantize_x_octets(np.array(a)).astype(np.float32))
-
-
 @needs_gpu
 @pytest.mark.parametrize("qt,E,F,D,T,k", EXPERT_CASES, ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("clamp", [0.0, 0.02])
-def test_expert_swiglu_kernel(qt, E, F, D, T, k, clamp, xq):
+def test_expert_swiglu_kernel(qt, E, F, D, T, k, clamp):
     rng = np.random.default_rng(F + T + int(qt))
     gate, up = expert_weights(qt, (E, F, D), 2, seed=int(qt) + F)
     x = mx.array(rng.standard_normal((T, D)).astype(np.float32) * 0.05)  # pre-activations of a few units
@@ -992,8 +978,7 @@ def test_expert_swiglu_kernel(qt, E, F, D, T, k, clamp, xq):
     rw = mx.array(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
     y = fused.expert_swiglu(gate, up, x, clamp, ids, rw, backend=BACKEND)
     assert y.shape == (T, k, F)
-    xr = xq(x) if qt in kernels.MV_XQ_TYPES else x
-    g, u = on_cpu(lambda: (gate.gather_matmul(xr, ids), up.gather_matmul(xr, ids)))
+    g, u = on_cpu(lambda: (gate.gather_matmul(x, ids), up.gather_matmul(x, ids)))
     swiglu_close(y, g, u, clamp, rw)
     # dense (the shared expert): expert 0's matrices as 2-D weights; every row written (NaN-filled output)
     g0, u0 = (QuantWeight(w.data[0], w.qtype, w.shape[1:]) for w in (gate, up))
@@ -1022,7 +1007,7 @@ def swiglu_close(y, g, u, clamp: float, rw) -> None:
 @needs_gpu
 @pytest.mark.parametrize("qt,E,F,D,T,k", EXPERT_CASES, ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("with_add", [False, True])
-def test_expert_down_sum_kernel(qt, E, F, D, T, k, with_add, xq):
+def test_expert_down_sum_kernel(qt, E, F, D, T, k, with_add):
     rng = np.random.default_rng(F + T + int(qt) + 1)
     F = F if F % 256 == 0 else 256  # the down projection's input width: whole blocks of every type
     (down,) = expert_weights(qt, (E, D, F), 1, seed=int(qt) + D)
@@ -1031,7 +1016,7 @@ def test_expert_down_sum_kernel(qt, E, F, D, T, k, with_add, xq):
     add = mx.array(rng.standard_normal((T, D)).astype(np.float32)) if with_add else None
     y = kernels.mv(down, mid.reshape(T * k, F), BACKEND, ids=ids, k_slots=k, epi=kernels.MV_SUM, aux=add,
                    init=float("nan"))  # fmt: skip
-    ref = on_cpu(fused.expert_down_sum, down, xq(mid) if qt in kernels.MV_XQ_TYPES else mid, ids, add, backend="fallback")
+    ref = on_cpu(fused.expert_down_sum, down, mid, ids, add, backend="fallback")
     assert y.shape == (T, D)
     close(y, ref, 1e-5)
     close(fused.expert_down_sum(down, mid, ids, add, backend=BACKEND), ref, 1e-5)
@@ -1045,7 +1030,7 @@ SHARED_CASES = [  # routed type, E, F, n_embd, T, k (the shared expert is Q8_0, 
 
 @needs_gpu
 @pytest.mark.parametrize("qt,E,F,D,T,k", SHARED_CASES, ids=lambda v: getattr(v, "name", str(v)))
-def test_experts_with_shared_kernel(qt, E, F, D, T, k, xq):
+def test_experts_with_shared_kernel(qt, E, F, D, T, k):
     """Routed experts and the shared expert in two launches (mv ``shared``) against the MoE's separate pieces
     on the CPU: the SwiGLU launch's shared rows, and the summed output."""
     from ds4_mlx.model.moe import swiglu
@@ -1064,18 +1049,13 @@ def test_experts_with_shared_kernel(qt, E, F, D, T, k, xq):
     mid = kernels.mv(gate, x, BACKEND, ids=ids, k_slots=k, epi=kernels.MV_SWIGLU, w2=up, aux=rw, clamp=clamp,
                      shared=sgu, init=float("nan"))  # fmt: skip
     assert mid.shape == (T * k + T, F)
-    if qt not in kernels.MV_XQ_TYPES:
-        xq = lambda a: a  # noqa: E731  (Q4_K: f32 x)
-    xr = xq(x)
-    g, u = on_cpu(lambda: (gate.gather_matmul(xr, ids), up.gather_matmul(xr, ids)))
+    g, u = on_cpu(lambda: (gate.gather_matmul(x, ids), up.gather_matmul(x, ids)))
     swiglu_close(mid[: T * k].reshape(T, k, F), g, u, clamp, rw)
-    swiglu_close(mid[T * k :], *on_cpu(lambda: (sg.matmul(xr), su.matmul(xr))), clamp, None)
+    swiglu_close(mid[T * k :], *on_cpu(lambda: (sg.matmul(x), su.matmul(x))), clamp, None)
 
-    # the down launch's x is the first launch's output, quantized by the kernel (when it does) as it reads it
     y = fused.experts_with_shared(gate, up, down, sgu, sd, x, ids, rw, clamp, backend=BACKEND)
-    shared = on_cpu(lambda: sd.matmul(xq(swiglu(sg.matmul(xr), su.matmul(xr), clamp))))
-    routed = xq(swiglu(g, u, clamp) * rw[..., None])
-    ref = on_cpu(fused.expert_down_sum, down, routed, ids, shared, backend="fallback")
+    shared = on_cpu(lambda: sd.matmul(swiglu(sg.matmul(x), su.matmul(x), clamp)))
+    ref = on_cpu(fused.expert_down_sum, down, swiglu(g, u, clamp) * rw[..., None], ids, shared, backend="fallback")
     assert y.shape == (T, D)
     close(y, ref, 1e-5)
     assert fused.experts_with_shared(gate, up, down, sgu, sd, x, ids, rw, clamp, backend="fallback") is None

@@ -12,17 +12,13 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx import quants
 from ds4_mlx.weights import QuantWeight, _kernels
-from kernel_util import (
-    BACKEND, gpu_only, kernel_backend_set, make_weight, needs_gpu, quantize_x_octets,
-)  # fmt: skip
+from kernel_util import BACKEND, gpu_only, kernel_backend_set, make_weight, needs_gpu
 
 kernels = _kernels()
 
 F32_TOL = 1e-6  # decode kernels: exact weights, f32 activations and accumulation
 BF16_TOL = 4e-3  # prefill: bf16 weights and activations (each rounding ≤ 2^-9), f32 accumulation
 BF16_EMU_TOL = 2e-5  # prefill vs a float64 product of the same bf16-rounded operands: only f32 accumulation
-XQ_TOL = 5e-3  # x quantized to signed bytes (the routed experts on CUDA, QUANTS.md §5.3)
-XQ_EMU_TOL = 2e-6  # quantized x vs a float64 product of the same quantized x: only f32 scales and sums
 
 
 def bf16(a: np.ndarray) -> np.ndarray:
@@ -231,47 +227,6 @@ def test_gather(qt, case, per_slot):
     with kernel_backend_set(BACKEND):
         y2 = np.array(w.gather_matmul(mx.array(x), mx.array(ids)))
     np.testing.assert_array_equal(y2, y)
-
-
-def test_mv_xq_policy():
-    """Quantized x only in the routed experts' launches (gathered, SwiGLU or sum), of octet types, off Metal."""
-    for b in ("cuda", "sim"):
-        assert kernels.mv_xq(QT.IQ2_XXS, b, True, kernels.MV_SWIGLU, QT.Q8_0)
-        assert kernels.mv_xq(QT.Q2_K, b, True, kernels.MV_SUM, QT.Q8_0)
-        assert not kernels.mv_xq(QT.Q8_0, b, True, kernels.MV_PLAIN)  # the grouped attention output
-        assert not kernels.mv_xq(QT.Q8_0, b, False, kernels.MV_PLAIN)
-        assert not kernels.mv_xq(QT.Q4_K, b, True, kernels.MV_SWIGLU, QT.Q8_0)
-    assert not kernels.mv_xq(QT.IQ2_XXS, "metal", True, kernels.MV_SWIGLU, QT.Q8_0)  # ds4-Metal: f32 x
-    w, _ = make_weight(np.random.default_rng(0), QT.F16, (2, 8, 256), np.float32)
-    with pytest.raises(ValueError, match="quantized x"):
-        kernels.mv(w, mx.zeros((1, 256)), "sim", ids=mx.zeros((1,), mx.int32), xq=True)
-
-
-@needs_gpu
-@pytest.mark.parametrize("qt", kernels.MV_XQ_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("epi", [kernels.MV_PLAIN, kernels.MV_SUM], ids=["plain", "sum"])
-def test_mv_quantized_x(qt, epi):
-    """mv.body XQ: within QUANTS.md §5.3's bound of the exact product, and equal (but for f32 rounding) to a
-    float64 product of x quantized as the kernel does (quantize_x_octets)."""
-    rng = np.random.default_rng(int(qt) + epi)
-    E, out, n_in, T, k = 8, 37, 512 + 256, 2, 3  # a short last span, rows not a multiple of NR
-    w, ref = make_weight(rng, qt, (E, out, n_in))
-    x = rng.standard_normal((T, k, n_in)).astype(np.float32) * rng.uniform(0.1, 3.0, (T, k, 1)).astype(np.float32)
-    x[0, 0, :8] = 0.0  # an all-zero octet: d = 0
-    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
-    spec = "nki,nkoi->nko" if epi == kernels.MV_PLAIN else "nki,nkoi->no"
-
-    def run(xq: bool) -> np.ndarray:
-        y = kernels.mv(w, mx.array(x.reshape(T * k, n_in)), BACKEND, ids=mx.array(ids.reshape(-1)), k_slots=k,
-                       epi=epi, xq=xq, init=NAN)  # fmt: skip
-        return np.array(y).reshape(T, k, out) if epi == kernels.MV_PLAIN else np.array(y)
-
-    y = run(True)
-    assert rel_err(y, x, ref[ids], spec) <= XQ_TOL
-    emu = np.einsum(spec, quantize_x_octets(x), ref[ids])
-    scale = np.einsum(spec, np.abs(x.astype(np.float64)), np.abs(ref[ids]))
-    assert float(np.max(np.abs(y - emu) / scale)) <= XQ_EMU_TOL
-    assert not np.array_equal(run(False), y)  # x was quantized: the f32 launch differs
 
 
 @needs_gpu

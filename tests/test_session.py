@@ -127,22 +127,11 @@ def test_snapshot_restore_then_prefill(model):
     assert _rel(c, a[-1]) <= 1e-5
 
 
-@pytest.fixture(params=[False, True], ids=["f32_x", "quantized_x"])
-def decode_tol(request, monkeypatch) -> float:
-    """The routed experts' launches with f32 x, then with x quantized where the backend does that
-    (kernels.mv_xq): the bound of a decode step against the exact prefill (quantized: 8.7e-5 on the sim)."""
-    if request.param:
-        return 3e-4
-    monkeypatch.setenv("DS4_MLX_XQ", "0")
-    return 1e-5
-
-
 @pytest.mark.skipif(not GPU, reason="no Metal/CUDA kernels here")
-def test_gpu_decode_steps_match_exact_prefill(model, decode_tol):
+def test_gpu_decode_steps_match_exact_prefill(model):
     """Every decode kernel on the GPU path: one-token steps against the CPU's exact (f32) full prefill."""
     if model.numerics != PROFILES["hf"]:
         pytest.skip("measured with the hf profile (FP8/f16 rounding may flip on last-bit differences)")
-    model.set_compile_decode(True)  # no step traced under the other x
     tokens = prompt(T)
     mx.set_default_device(mx.cpu)
     try:
@@ -150,12 +139,12 @@ def test_gpu_decode_steps_match_exact_prefill(model, decode_tol):
     finally:
         mx.set_default_device(mx.gpu)
     s = Session(model)
-    assert _rel(np.stack([np.array(s.step(t)) for t in tokens]), exact) <= decode_tol
+    assert _rel(np.stack([np.array(s.step(t)) for t in tokens]), exact) <= 1e-5
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(GPU or compiler() is None, reason="a GPU runs the real kernels; the sim backend needs g++")
-def test_sim_decode_steps_match_exact_prefill(model, decode_tol):
+def test_sim_decode_steps_match_exact_prefill(model):
     """Every decode kernel's CUDA text, run on the CPU by the sim backend, against the exact f32 full prefill:
     six steps after a 42-token prefill, through two ratio-4 windows and a ratio-16 one completing (pos 43, 47)
     with the indexer selecting. Steps run op by op: a sim launch evaluates its inputs, which a compiled step
@@ -173,7 +162,7 @@ def test_sim_decode_steps_match_exact_prefill(model, decode_tol):
     finally:
         set_kernel_backend(None)
         model.set_compile_decode(True)
-    assert _rel(got, exact[42:]) <= decode_tol
+    assert _rel(got, exact[42:]) <= 1e-5
 
 
 def test_prefill_rejects_empty(model):
