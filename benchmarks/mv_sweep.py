@@ -4,6 +4,9 @@
         python benchmarks/mv_sweep.py labels.json > ncu.csv        # on the GPU (CUDA only)
     python benchmarks/mv_sweep.py --summarize ncu.csv labels.json  # anywhere
     ncu --set full python benchmarks/mv_sweep.py labels.json --default --only q_b out_b  # why a launch is slow
+    ncu --clock-control none --kernel-name regex:ds_mv --csv --metrics <OCCUPANCY_METRICS, comma-joined> \
+        python benchmarks/mv_sweep.py labels.json --default > occ.csv  # registers, stage, occupancy
+    python benchmarks/mv_sweep.py --occupancy occ.csv labels.json
 
 The launches are the full-shape decode step's (one token): q_b and q_a+kv with the RMSNorm prologue, out_b,
 the grouped out_a, the ratio-4 layers' stacked F16 projections and the indexer's q_b, and the routed experts'
@@ -117,6 +120,41 @@ def run(labels_path: Path, only: list[str] | None = None, default: bool = False,
     labels_path.write_text(json.dumps(labels))
 
 
+#: What limits a launch's warps, for ``--occupancy`` (benchmarks/RESULTS.md, twenty-second session).
+OCCUPANCY_METRICS = {
+    "gpu__time_duration.sum": "ns", "launch__registers_per_thread": "registers",
+    "launch__shared_mem_per_block_static": "stage bytes", "launch__block_size": "threads",
+    "launch__occupancy_limit_registers": "blocks/SM (registers)",
+    "launch__occupancy_limit_shared_mem": "blocks/SM (shared mem)",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "warps active %",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM %",
+}
+
+
+def occupancy(ncu_csv: Path, labels_path: Path) -> dict:
+    """OCCUPANCY_METRICS of each (launch, config) from an ncu log of those metrics: the third of its five launches."""
+    import csv
+
+    rows = list(csv.reader(line for line in ncu_csv.read_text().splitlines() if line.startswith('"')))
+    head = rows[0]
+    id_i, name_i, val_i = head.index("ID"), head.index("Metric Name"), head.index("Metric Value")
+    launches: dict[str, dict] = {}
+    for r in rows[1:]:
+        if len(r) > val_i:
+            launches.setdefault(r[id_i], {})[r[name_i]] = r[val_i].replace(",", "")
+    labels, ids = json.loads(labels_path.read_text()), list(launches)
+    if len(ids) != 5 * len(labels):
+        raise SystemExit(f"{ncu_csv}: {len(ids)} launches, expected 5 per config ({len(labels)} configs)")
+    out = {}
+    print(" | ".join(["launch", *OCCUPANCY_METRICS.values()]))
+    for i, (name, c) in enumerate(labels):
+        m = launches[ids[5 * i + 2]]
+        key = f"{name} {'default' if c is None else tuple(c)}"
+        out[key] = {label: m.get(metric) for metric, label in OCCUPANCY_METRICS.items()}
+        print(" | ".join([key, *(str(v) for v in out[key].values())]))
+    return out
+
+
 def summarize(ncu_csv: Path, labels_path: Path, top: int = 6) -> dict:
     """Median µs of each (launch, config) from the ncu log; prints the fastest configs per launch."""
     from kernel_profile import kernel_times
@@ -138,6 +176,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("labels", type=Path, help="where to write (run) or read (--summarize) the config list")
     ap.add_argument("--summarize", type=Path, metavar="NCU_CSV", help="an ncu --csv log of a run of this script")
+    ap.add_argument("--occupancy", type=Path, metavar="NCU_CSV", help="the same, of OCCUPANCY_METRICS")
     ap.add_argument("--only", nargs="+", choices=PRIORITY, help="these launches only")
     ap.add_argument("--default", action="store_true",
                     help="each launch at the dispatcher's config only (e.g. for ncu --set full: stall reasons)")
@@ -146,5 +185,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize, args.labels)
+    elif args.occupancy:
+        occupancy(args.occupancy, args.labels)
     else:
         run(args.labels, args.only, args.default, args.config)

@@ -236,6 +236,15 @@ def test_mv_sweep_configs_and_summary(tmp_path, capsys):
         (tmp_path / "labels.json").write_text(json.dumps([["q_b", None]]))
         with pytest.raises(SystemExit):
             ms.summarize(tmp_path / "ncu.csv", tmp_path / "labels.json")  # 10 launches for one config
+        # --occupancy: several metrics a launch, the third launch of each config read
+        regs = [90, 91, 96, 92, 93, 80, 81, 72, 83, 84]
+        rows = [f'"{i}","ds_mv_x","{m}","","{v:,}"' for i, r in enumerate(regs)
+                for m, v in (("launch__registers_per_thread", r), ("gpu__time_duration.sum", 1000 * r))]
+        (tmp_path / "occ.csv").write_text("\n".join([head] + rows))
+        (tmp_path / "labels.json").write_text(json.dumps([["q_b", [4, 4, 1]], ["down", None]]))
+        occ = ms.occupancy(tmp_path / "occ.csv", tmp_path / "labels.json")
+        assert occ["q_b (4, 4, 1)"]["registers"] == "96" and occ["down default"]["registers"] == "72"
+        assert occ["down default"]["ns"] == "72000" and occ["down default"]["DRAM %"] is None
     finally:
         sys.path.remove(str(bench))
 
