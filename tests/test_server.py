@@ -97,14 +97,18 @@ def test_anthropic_sdk(base):
     assert r.type == "message" and r.role == "assistant" and r.content[0].type == "text"
     assert r.stop_reason in ("max_tokens", "end_turn")
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens > 10 and r.usage.output_tokens <= 5
-    with client.messages.stream(model="deepseek-v4-flash", max_tokens=8, messages=msgs,
-                                thinking={"type": "adaptive"}, extra_body={"output_config": {"effort": "high"}}) as s:
+    # forced output: sampled, the random model may close its thinking (or emit only partial UTF-8) at once, and
+    # then no thinking block is sent (a CI run on 2026-12-01 saw that)
+    with client.messages.stream(model="deepseek-v4-flash", max_tokens=16, messages=msgs,
+                                thinking={"type": "adaptive"}, extra_body={"output_config": {"effort": "high"}},
+                                extra_headers={"X-DS4-Test-Output": json.dumps("hm</think>ok")}) as s:
         events = [e.type for e in s]
         final = s.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop"
     assert "content_block_start" in events and "message_delta" in events
-    assert final.content[0].type == "thinking" and final.content[0].signature == final.id
-    assert final.usage.output_tokens <= 8
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == "hm" and final.content[0].signature == final.id
+    assert final.content[1].text == "ok" and final.usage.output_tokens <= 16
 
 
 def test_responses_sdk(oai):
