@@ -627,8 +627,7 @@ def gather_matmul(qw, x: mx.array, ids: mx.array, backend: str, out_shape: tuple
         return mx.zeros(out_shape, dtype=mx.float32)
     x = x if x.dtype == mx.float32 else x.astype(mx.float32)  # [N, in] shared or N·k rows of in, per slot
     if not supports(qw):
-        x = x if x.shape == (N, n_in) else x.reshape(N, k, n_in)
-        return qw._fallback_gather_matmul(x, ids).reshape(out_shape)
+        return qw._fallback_gather_matmul(x, ids, out_shape)
     if N <= MV_MAX_TOKENS:
         return mv(qw, x, backend, ids=ids, k_slots=k, shape=out_shape)  # as shaped: no reshape nodes
     y = mm_gather(qw, x.reshape(x.size // n_in, n_in), ids.reshape(N * k), k, backend)

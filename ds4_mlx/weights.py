@@ -205,9 +205,7 @@ class QuantWeight:
         backend = kernel_backend()
         if backend != "fallback":
             return _kernels().gather_matmul(self, x, ids, backend, out_shape)
-        x = x if x.shape == (N, n_in) else x.reshape(N, k, n_in)
-        y = self._fallback_gather_matmul(x, ids)
-        return y if out_shape is None else y.reshape(out_shape)
+        return self._fallback_gather_matmul(x, ids, out_shape)
 
     # --- pure-MLX fallback ------------------------------------------------------------------------------
 
@@ -221,19 +219,21 @@ class QuantWeight:
             parts.append(x @ w.T)  # [..., rows]
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
-    def _fallback_gather_matmul(self, x: mx.array, ids: mx.array) -> mx.array:
+    def _fallback_gather_matmul(self, x: mx.array, ids: mx.array, out_shape: tuple[int, ...] | None = None) -> mx.array:
+        """:meth:`gather_matmul` in MLX ops (same x and ``out_shape`` conventions, no checks)."""
         E, out, n_in = self.shape
         N, k = ids.shape
         P = N * k
+        out_shape = (N, k, out) if out_shape is None else out_shape
         x = x.astype(mx.float32)
-        xp = mx.broadcast_to(x[:, None, :], (N, k, n_in)) if x.ndim == 2 else x
+        xp = mx.broadcast_to(x[:, None, :], (N, k, n_in)) if x.shape == (N, n_in) else x
         xp = xp.reshape(P, 1, n_in)  # one row per (token, slot) pair
         flat = ids.reshape(P).astype(mx.int32)
 
         if P * out * n_in <= FALLBACK_MAX_ELEMS:
             # Small batch: gather the selected experts' bytes, dequantize only those.
             w = quants.dequantize(self.data[flat], self.qtype)  # (P, out, in)
-            return (xp @ w.swapaxes(1, 2)).reshape(N, k, out)
+            return (xp @ w.swapaxes(1, 2)).reshape(out_shape)
 
         # Large batch: visit the distinct experts in memory-bounded chunks, pairs grouped by expert.
         ids_np = np.array(flat)
@@ -254,4 +254,4 @@ class QuantWeight:
             mx.eval(parts[-1])  # bound peak memory to one chunk
         inv = np.empty(P, dtype=np.int32)
         inv[order] = np.arange(P, dtype=np.int32)
-        return mx.concatenate(parts, axis=0)[mx.array(inv)].reshape(N, k, out)
+        return mx.concatenate(parts, axis=0)[mx.array(inv)].reshape(out_shape)
