@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv rms", "out_b", "out_a g8",
-            "f16 r4 stack", "idx q_b f16"]
+            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "down+sh xq"]
 
 
 def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
@@ -77,6 +77,8 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
     nw1k, nw4k = mx.random.uniform(0.5, 1.5, (1024,)), mx.random.uniform(0.5, 1.5, (4096,))
     ids, rw = mx.array([[3, 17, 40, 99, 180, 250]], dtype=mx.int32), mx.random.uniform(shape=(1, 6))
     mid7, mid6, gids = mx.random.normal((7, 2048)), mx.random.normal((6, 2048)), mx.arange(8, dtype=mx.int32)
+    x4k_q, mid7_q = K.quantize_x(x4k), K.quantize_x(mid7)
+    mx.eval(x4k_q, mid7_q)
     moe = dict(ids=ids, k_slots=6)
     plans = [
         ("q_b rms", configs("Q8_0", nrs=(1, 2, 4, 8), kss=(1, 2)),
@@ -94,6 +96,11 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
         ("down+sh", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
          lambda c: K.mv(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c)),
         ("down", configs("Q2_K", nsgs=(1, 2, 4), ks_max=2), lambda c: K.mv(down, mid6, b, **moe, epi=K.MV_SUM, config=c)),
+        # the prototype: x quantized beforehand (kernels.quantize_x), int8 dots (mv.body XQ)
+        ("gateup+sh xq", configs("IQ2_XXS", 2, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
+         lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True)),
+        ("down+sh xq", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
+         lambda c: K.mv(down, mid7_q, b, **moe, epi=K.MV_SUM, shared=sd, config=c, xq=True)),
     ]
     plans = [(name, [None] if default else given or cs, f) for name, cs, f in plans if not only or name in only]
     out = [(name, c, (lambda f=f, c=c: f(c))) for name, cs, f in plans for c in cs]

@@ -76,6 +76,8 @@ MV_SWIGLU_TYPES = tuple(t for t in KERNEL_TYPES if t != QT.F32)
 #: GGUFs: Q8_0), and the routed types the compile checks pair it with (every launch type works).
 MV_SHARED_TYPE = QT.Q8_0
 MV_SHARED_ROUTED = (QT.IQ2_XXS, QT.Q2_K, QT.Q4_K)
+# Quantized x (mv.body XQ, prototype): the types that decode in octets, and the MoE launches that take it.
+MV_XQ_TYPES = (QT.Q8_0, QT.Q2_K, QT.IQ2_XXS)
 
 INPUTS = {
     "mv": ["w", "x", "ids", "params", "w2", "aux", "ws"],
@@ -268,12 +270,31 @@ def mv_launch_shapes(qtype: QT, epi: int) -> list[tuple[int, int, int]]:
     return [(nr, nsg, ks) for nr, nsg in sorted(shapes) for ks in sorted({1, 2, nsg}) if nsg % ks == 0]
 
 
+def quantize_x(x: mx.array) -> mx.array:
+    """x [..., in] (in % 8 == 0) as the quantized-x matvec reads it (mv.h ds_xq_load), float32-typed: per row,
+    q = rint(x / d) as int8 [in], the remainder r = rint(128 (x − d·q) / d) as int8 [in], then d = max|x| / 127
+    per 8 values as float32 [in / 8]: 5·in/8 words a row, x ≈ d·(q + r/128). Here in MLX ops; in a model the
+    kernel that makes x would write it."""
+    *lead, n = x.shape
+    o = x.astype(mx.float32).reshape(-1, n // 8, 8)
+    amax = mx.abs(o).max(axis=-1, keepdims=True)
+    d = amax * np.float32(1 / 127)
+    inv = mx.where(amax > 0, 127.0 / mx.where(amax > 0, amax, 1.0), 0.0)
+    q = mx.round(o * inv)
+    r = mx.round((o - q * d) * (128.0 * inv))
+    rows = [q.astype(mx.int8).reshape(-1, n).view(mx.uint8), r.astype(mx.int8).reshape(-1, n).view(mx.uint8),
+            d.reshape(-1, n // 8).view(mx.uint8)]
+    return mx.concatenate(rows, axis=1).view(mx.float32).reshape(*lead, 5 * n // 8)
+
+
 def mv_template(
-    qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN, shared_qt: QT | None = None
-) -> tuple:
-    """``shared_qt``: the type of the shared expert's weight read by the same launch (mv.body ``SH``)."""
+    qtype: QT, gather: bool, nr: int, nsg: int, ks: int, epi: int = MV_PLAIN, shared_qt: QT | None = None,
+    xq: bool = False,
+) -> tuple:  # fmt: skip
+    """``shared_qt``: the type of the shared expert's weight read by the same launch (mv.body ``SH``); ``xq``:
+    x comes quantized (:func:`quantize_x`)."""
     return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("GATHER", bool(gather)), ("KS", ks), ("EPI", epi),
-            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)))
+            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)), ("XQ", bool(xq)))
 
 
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
@@ -290,9 +311,13 @@ def instantiations() -> list[Instantiation]:
                         or (epi == MV_SWIGLU and qt not in MV_SWIGLU_TYPES)):  # fmt: skip
                     continue
                 for nr, nsg, ks in mv_launch_shapes(qt, epi):
-                    out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi)))
+                    shared = [None]
                     if gather and epi in (MV_SWIGLU, MV_SUM) and qt in MV_SHARED_ROUTED:  # MoE + shared expert
-                        out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, MV_SHARED_TYPE)))
+                        shared.append(MV_SHARED_TYPE)
+                    for sh in shared:
+                        xq_ok = gather and epi in (MV_SWIGLU, MV_SUM) and qt in MV_XQ_TYPES
+                        for xq in (False, True) if xq_ok else (False,):
+                            out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, sh, xq)))
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
     return out
@@ -392,6 +417,7 @@ def mv(
     qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
     clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None, x_rows: int | None = None,
+    xq: bool = False,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
@@ -405,7 +431,8 @@ def mv(
     and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
     ``MV_SUM`` (gathered) returns ``[P/k, out]``, each token's k products summed, plus ``aux`` if given;
     ``MV_RMS`` (dense) returns ``W @ rms_norm(x, aux, clamp)``: ``aux [in]`` is the norm weight, ``clamp`` eps.
-    ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG).
+    ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG). ``xq``: x2
+    holds x quantized by :func:`quantize_x` (5·in/8 words a row; types in MV_XQ_TYPES, no RMSNorm epilogue).
 
     ``shared`` (gathered ``MV_SWIGLU`` / ``MV_SUM``): the shared expert in the same launch, T = P/k tokens.
     SwiGLU: ``shared`` holds its gate rows then its up rows (``[2·out, in]``) and the result is ``[P + T, out]``,
@@ -424,13 +451,15 @@ def mv(
         raise ValueError(f"mv: the SwiGLU epilogue needs an up weight like {qw!r} of a type in MV_SWIGLU_TYPES")
     if epi == MV_RMS and (gather or aux is None or aux.shape != (qw.shape[-1],) or aux.dtype != mx.float32):
         raise ValueError(f"mv: the RMSNorm epilogue is dense and needs the norm weight as float32 aux [{qw.shape[-1]}]")
-    n_x = x2.size // qw.shape[-1] if x_rows is None else x_rows  # rows of x
+    n_x = x2.size // (5 * qw.shape[-1] // 8 if xq else qw.shape[-1]) if x_rows is None else x_rows  # rows of x
     P = ids.size if gather else n_x
     if shared is not None and epi == MV_SUM:
         n_x -= P // k_slots  # the shared rows after the routed ones
     shared_qt = None if shared is None else shared.qtype
+    if xq and (epi == MV_RMS or qw.qtype not in MV_XQ_TYPES or shared_qt not in (None, *MV_XQ_TYPES)):
+        raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
-    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, shared_qt)
+    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, shared_qt, xq)
     plan = qw._cache.get(("mv",) + key)
     if plan is None:
         plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
@@ -453,7 +482,7 @@ def mv(
 
 def _mv_plan(
     qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: bool = False,
-    clamp: float = 0.0, shared_qt: QT | None = None,
+    clamp: float = 0.0, shared_qt: QT | None = None, xq: bool = False,
 ) -> tuple:  # fmt: skip
     """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
@@ -468,7 +497,7 @@ def _mv_plan(
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux))
     groups = -(-n_out // (nr * nsg // ks))
-    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt))
+    template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt, xq))
     return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 

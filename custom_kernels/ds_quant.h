@@ -50,6 +50,17 @@ DS_FN void ds_q4k_scale_min(const DS_DEV uint8_t* s, uint32_t j, DS_THR float& s
 // IQ2_XXS sign mask of sign index s: s | parity(s) << 7 (QUANTS.md §1.4).
 DS_FN uint32_t ds_iq2_signs(uint32_t s) { return s | ((DS_POPC(s) & 1u) << 7); }
 
+// c + the dot of a and b as four signed bytes each: one DP4A on CUDA (the quantized-x matvec, mv.h ds_dot8q).
+DS_FN int ds_dp4a(uint32_t a, uint32_t b, int c) {
+#if defined(DS_CUDA) && !defined(DS_SIM)
+  return __dp4a((int)a, (int)b, c);
+#else
+#pragma unroll
+  for (int i = 0; i < 32; i += 8) c += ((int)(a << (24 - i)) >> 24) * ((int)(b << (24 - i)) >> 24);
+  return c;
+#endif
+}
+
 // --- the 32-weight unit: unit u of a row is weights 32u .. 32u+31 -------------------------------------------
 // Every supported type decodes in 32-weight units (one Q8_0 block, a Q4_K sub-block, an IQ2_XXS group,
 // two Q2_K groups, 32 plain elements), so matvec lanes and matmul tiles step through K in units.

@@ -1,6 +1,5 @@
 // fused.h: small helpers of the fused hyper-connection and compressor kernels (hc_pre, hc_post, comp_pool).
-// Appended after ds_prelude.h by custom_kernels/fused.py; uses only the prelude's DS_* macros plus the
-// DS_RINT / DS_FABS wrappers below (guarded so a later prelude may define them instead).
+// Appended after ds_prelude.h by custom_kernels/fused.py; uses only the prelude's DS_* macros.
 
 #ifndef DS_SHFL_XOR
 #error "fused.h needs DS_SHFL_XOR from ds_prelude.h"
@@ -15,18 +14,6 @@ DS_FN uint32_t ds_score_key(float x) {
   const uint32_t u = DS_F_AS_U32(x == 0.0f ? 0.0f : x);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
-
-#ifndef DS_RINT
-#if defined(DS_METAL)
-#define DS_RINT(x) metal::rint(x)
-#define DS_FABS(x) metal::fabs(x)
-#define DS_F16R(x) float(half(x))
-#else
-#define DS_RINT(x) rintf(x)
-#define DS_FABS(x) fabsf(x)
-#define DS_F16R(x) __half2float(__float2half_rn(x))
-#endif
-#endif
 
 DS_FN float dsf_simd_max(float v) {
   for (int m = 16; m > 0; m >>= 1) v = dsf_max(v, DS_SHFL_XOR(v, m));

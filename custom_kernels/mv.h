@@ -158,11 +158,63 @@ DS_FN float ds_dot8(int qt, const DS_TG uint8_t* row, uint32_t o, const DS_THR f
   }
 }
 
+// Quantized x (mv.body XQ; kernels.quantize_x writes it): a row of x holds q (int8 [in]), the remainder r
+// (int8 [in]) and d (f32 [in/8]), x ≈ d·(q + r/128) per octet, d = max|x|/127: 1/32768 of max|x| at worst,
+// against 1/254 with q alone (ds4-CUDA's Q8_K), which moves a tiny model's logits by ~7 % (QUANTS.md §8 ruling 4).
+// Octet g of the row: q[0..1] its q words, q[2..3] its r words, d, and s = Σ x̂ (the Q2_K min term).
+DS_FN void ds_xq_load(const DS_DEV float* xr, uint32_t n_in, uint32_t g, DS_THR uint32_t* q, DS_THR float& d,
+                      DS_THR float& s) {
+  const uint2 a = ((const DS_DEV uint2*)xr)[g], b = ((const DS_DEV uint2*)(xr + n_in / 4))[g];
+  q[0] = a.x; q[1] = a.y; q[2] = b.x; q[3] = b.y;
+  d = xr[n_in / 2 + g];
+  const int sq = ds_dp4a(a.x, 0x01010101u, ds_dp4a(a.y, 0x01010101u, 0));
+  const int sr = ds_dp4a(b.x, 0x01010101u, ds_dp4a(b.y, 0x01010101u, 0));
+  s = d * ((float)sq + (float)sr * (1.0f / 128.0f));
+}
+
+// ds_dot8 with x quantized (ds_xq_load: q, d, s): integer dots of 4 bytes (ds_dp4a) with q and with the
+// remainder, one f32 scale an octet.
+DS_FN float ds_dot8q(int qt, const DS_TG uint8_t* row, uint32_t o, const DS_THR uint32_t* q, float d, float s,
+                     const DS_TG uint32_t* grid) {
+  const uint32_t u = o >> 2, k = o & 3u;
+  uint32_t lo, hi;  // the octet's weights as signed bytes (Q8_0, IQ2_XXS) or 0..3 (Q2_K)
+  float scale;
+  if (qt == DS_Q8_0) {
+    const DS_TG uint8_t* b = row + 34u * u;
+    lo = ds_tld32_a2(b + 2 + 8 * k);
+    hi = ds_tld32_a2(b + 6 + 8 * k);
+    scale = ds_tf16(b);
+  } else if (qt == DS_Q2_K) {
+    const DS_TG uint8_t* b = row + 84u * (u >> 3);
+    const uint32_t r = u & 7u, sh = 2u * (r & 3u);
+    const DS_TG uint8_t* p = b + 16 + 32 * (r >> 2) + 8 * k;
+    lo = (ds_tld32(p) >> sh) & 0x03030303u;
+    hi = (ds_tld32(p + 4) >> sh) & 0x03030303u;
+    const uint32_t sc = b[2 * r + (k >> 1)];
+    scale = ds_tf16(b + 80) * float(sc & 15u);
+    s *= ds_tf16(b + 82) * float(sc >> 4);  // the min term
+  } else {  // DS_IQ2_XXS: magnitudes (8, 25 or 43) as bytes, negated where the sign bit is set: (g ^ m) + (m & 1)
+    const DS_TG uint8_t* b = row + 66u * (u >> 3);
+    const DS_TG uint8_t* g = b + 2 + 8 * (u & 7u);
+    const uint32_t gi = g[k], B = ds_tld32_a2(g + 4);
+    const uint32_t sg = ds_iq2_signs((B >> (7 * k)) & 127u);
+    // sign bit j (and 4 + j) to bit 0 of byte j: bit j lands at 8j (the products' bits never overlap)
+    const uint32_t one_lo = ((sg & 15u) * 0x00204081u) & 0x01010101u, one_hi = ((sg >> 4) * 0x00204081u) & 0x01010101u;
+    lo = (grid[2 * gi] ^ (one_lo * 255u)) + one_lo;
+    hi = (grid[2 * gi + 1] ^ (one_hi * 255u)) + one_hi;
+    scale = ds_tf16(b) * (0.5f + float(B >> 28)) * 0.25f;
+  }
+  const int dq = ds_dp4a(lo, q[0], ds_dp4a(hi, q[1], 0)), dr = ds_dp4a(lo, q[2], ds_dp4a(hi, q[3], 0));
+  const float dot = scale * d * ((float)dq + (float)dr * (1.0f / 128.0f));
+  return qt == DS_Q2_K ? dot - s : dot;
+}
+
 // The span loop of one pair of mv.body, for weights of type QX: rows at wa + off (and, NW == 2, the second
 // weight's at wb + off_b), rb bytes apart, staged SPAN bytes apart; acc[NR·NW] gathers each row's dot with
 // x = xr (EPI 3: x·nw, its Σx² into ssq). A function of the type, so one launch can read two types (the
-// routed experts and the shared expert, mv.body SH).
-template <int QX, int NR, int NW, int KS, int EPI, int SPAN>
+// routed experts and the shared expert, mv.body SH). XQ (octet types): x comes quantized (ds_xq_load) and
+// every row dots it in integers (ds_dot8q).
+template <int QX, int NR, int NW, int KS, int EPI, int SPAN, bool XQ>
 DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint64_t off,
                        uint64_t off_b, uint32_t rb, uint32_t nrows, uint32_t n_units, uint32_t kpart, uint32_t lane,
                        const DS_DEV float* xr, const DS_DEV float* nw, DS_THR float* acc, DS_THR float& ssq,
@@ -184,7 +236,8 @@ DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_
     const uint32_t un = u0 + 32 * KS;  // this simdgroup's next span
     float xv[32];
     constexpr bool OCT = ds_octet_lanes(QX);
-    if (OCT || lane < nu) {  // issued before the wait: in flight with the staged copy
+    constexpr bool Q = XQ && OCT && EPI != 3;
+    if (!Q && (OCT || lane < nu)) {  // issued before the wait: in flight with the staged copy
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         // lane's unit: floats 32·lane + 4i; octet lanes: octet lane + 32·(i/2), its half i%2
@@ -202,6 +255,15 @@ DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_
         xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
       }
     }
+    uint32_t xq[Q ? 16 : 1];
+    float xd[Q ? 4 : 1], xsum[Q ? 4 : 1];
+    if (Q) {
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const uint32_t o = lane + 32 * p;
+        if (o < 4 * nu) ds_xq_load(xr, 32 * n_units, 4 * u0 + o, xq + 4 * p, xd[p], xsum[p]);
+      }
+    }
     if (DS_ASYNC_COPIES && un < n_units) DS_MV_STAGE(un, buf ^ 1u);  // into the other buffer, during this span
     DS_ASYNC_COMMIT();
     DS_ASYNC_WAIT_PREV();  // this span's copy has landed (the next one may still be in flight)
@@ -214,7 +276,9 @@ DS_FN void ds_mv_spans(DS_TG uint8_t* stage, const DS_DEV uint8_t* wa, const DS_
         if (o >= 4 * nu) break;  // octets past K (uniform per p but for the last span's partial pass)
 #pragma unroll
         for (int r = 0; r < NRW; ++r) {
-          if ((uint32_t)(r % NR) < nrows) acc[r] += ds_dot8(QX, cur + r * SPAN, o, xv + 8 * p, grid);
+          if ((uint32_t)(r % NR) < nrows)
+            acc[r] += Q ? ds_dot8q(QX, cur + r * SPAN, o, xq + 4 * p, xd[p], xsum[p], grid)
+                        : ds_dot8(QX, cur + r * SPAN, o, xv + 8 * p, grid);
         }
       }
     } else if (lane < nu) {

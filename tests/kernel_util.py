@@ -66,6 +66,20 @@ def make_weight(rng, qt: QT, shape, ref_dtype=np.float64) -> tuple[QuantWeight, 
     return QuantWeight.from_numpy(raw, qt, shape), ref.astype(ref_dtype)
 
 
+def quantize_x_octets(x: np.ndarray) -> np.ndarray:
+    """x as the quantized-x matvec sees it (kernels.quantize_x), as float64: per 8 values, d = max|x| · (1/127),
+    q = rint(x · (127 / max|x|)) and r = rint((x − q·d) · (128 · 127 / max|x|)), x̂ = d · (q + r / 128); every
+    step in f32 as quantize_x computes it."""
+    f32 = np.float32
+    o = np.asarray(x, f32).reshape(*np.shape(x)[:-1], -1, 8)
+    amax = np.abs(o).max(-1, keepdims=True)
+    inv = np.where(amax > 0, f32(127) / np.where(amax > 0, amax, f32(1)), f32(0)).astype(f32)
+    d = amax * f32(1 / 127)
+    q = np.rint(o * inv)
+    r = np.rint((o - q * d) * (f32(128) * inv))
+    return (d.astype(np.float64) * (q.astype(np.float64) + r.astype(np.float64) / 128)).reshape(np.shape(x))
+
+
 def render_metal_sources(script: str) -> dict[str, str]:
     """{tag: Metal source exactly as MLX prints it}: runs ``script`` (which calls kernels with ``verbose=True``
     under ``mx.export_function`` and prints ``@@@ tag`` before each) in a subprocess and parses its output."""

@@ -12,13 +12,17 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx import quants
 from ds4_mlx.weights import QuantWeight, _kernels
-from kernel_util import BACKEND, gpu_only, kernel_backend_set, make_weight, needs_gpu
+from kernel_util import (
+    BACKEND, gpu_only, kernel_backend_set, make_weight, needs_gpu, quantize_x_octets,
+)  # fmt: skip
 
 kernels = _kernels()
 
 F32_TOL = 1e-6  # decode kernels: exact weights, f32 activations and accumulation
 BF16_TOL = 4e-3  # prefill: bf16 weights and activations (each rounding ≤ 2^-9), f32 accumulation
 BF16_EMU_TOL = 2e-5  # prefill vs a float64 product of the same bf16-rounded operands: only f32 accumulation
+XQ_TOL = 5e-3  # x quantized to signed bytes (the routed experts on CUDA, QUANTS.md §5.3)
+XQ_EMU_TOL = 2e-6  # quantized x vs a float64 product of the same quantized x: only f32 scales and sums
 
 
 def bf16(a: np.ndarray) -> np.ndarray:
@@ -227,6 +231,79 @@ def test_gather(qt, case, per_slot):
     with kernel_backend_set(BACKEND):
         y2 = np.array(w.gather_matmul(mx.array(x), mx.array(ids)))
     np.testing.assert_array_equal(y2, y)
+
+
+def test_quantize_x_layout():
+    """kernels.quantize_x: per row q bytes, remainder bytes, then f32 scales; x̂ = d·(q + r/128) is the numpy
+    emulation's (quantize_x_octets), within 1/32768 of each octet's max|x|. Bad calls fail clearly."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((3, 256)) * rng.uniform(0.01, 30, (3, 1))).astype(np.float32)
+    x[1, 8:16] = 0.0
+    p = np.array(kernels.quantize_x(mx.array(x)))
+    assert p.shape == (3, 160) and p.dtype == np.float32
+    b = p.view(np.uint8)
+    q, r, d = b[:, :256].view(np.int8), b[:, 256:512].view(np.int8), p[:, 128:]
+    assert np.abs(q).max() <= 127 and np.abs(r).max() <= 64
+    xh = np.repeat(d, 8, axis=1).astype(np.float64) * (q + r / 128.0)
+    np.testing.assert_array_equal(xh, quantize_x_octets(x))
+    assert np.all(np.abs(xh - x) <= np.repeat(np.abs(x).reshape(3, 32, 8).max(-1), 8, axis=1) / 32000)
+    w, _ = make_weight(rng, QT.F16, (2, 8, 256), np.float32)
+    with pytest.raises(ValueError, match="quantized x"):
+        kernels.mv(w, kernels.quantize_x(mx.zeros((1, 256))), "sim", ids=mx.zeros((1,), mx.int32), xq=True)
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt", kernels.MV_XQ_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("epi", [kernels.MV_PLAIN, kernels.MV_SUM], ids=["plain", "sum"])
+def test_mv_quantized_x(qt, epi):
+    """mv.body XQ (x from kernels.quantize_x): within QUANTS.md §5.3's bound of the exact product, and equal (but
+    for f32 rounding) to a float64 product of the quantized x (quantize_x_octets)."""
+    rng = np.random.default_rng(int(qt) + epi)
+    E, out, n_in, T, k = 8, 37, 512 + 256, 2, 3  # a short last span, rows not a multiple of NR
+    w, ref = make_weight(rng, qt, (E, out, n_in))
+    x = rng.standard_normal((T, k, n_in)).astype(np.float32) * rng.uniform(0.1, 3.0, (T, k, 1)).astype(np.float32)
+    x[0, 0, :8] = 0.0  # an all-zero octet: d = 0
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    spec = "nki,nkoi->nko" if epi == kernels.MV_PLAIN else "nki,nkoi->no"
+
+    def run(xq: bool) -> np.ndarray:
+        x2 = mx.array(x.reshape(T * k, n_in))
+        y = kernels.mv(w, kernels.quantize_x(x2) if xq else x2, BACKEND, ids=mx.array(ids.reshape(-1)), k_slots=k,
+                       epi=epi, xq=xq, init=NAN)  # fmt: skip
+        return np.array(y).reshape(T, k, out) if epi == kernels.MV_PLAIN else np.array(y)
+
+    y = run(True)
+    assert rel_err(y, x, ref[ids], spec) <= XQ_TOL
+    emu = np.einsum(spec, quantize_x_octets(x), ref[ids])
+    scale = np.einsum(spec, np.abs(x.astype(np.float64)), np.abs(ref[ids]))
+    assert float(np.max(np.abs(y - emu) / scale)) <= XQ_EMU_TOL
+    assert not np.array_equal(run(False), y)  # x was quantized: the f32 launch differs
+
+
+@needs_gpu
+def test_mv_quantized_x_moe_launches():
+    """The routed experts' two launches with the shared expert inside (SwiGLU, then the sum), x quantized: the
+    same as the f32 launches given x̂ itself (kernels.quantize_x's values), up to f32 rounding."""
+    rng = np.random.default_rng(11)
+    E, F, D, T, k = 8, 40, 512, 2, 3
+    gate, up = (make_weight(rng, QT.IQ2_XXS, (E, F, D), np.float32)[0] for _ in range(2))
+    (down,) = (make_weight(rng, QT.Q2_K, (E, D, 256), np.float32)[0],)
+    sg, su, sd = (make_weight(rng, QT.Q8_0, s, np.float32)[0] for s in ((F, D), (F, D), (D, 256)))
+    sgu = QuantWeight.stack_rows([sg, su])
+    ids = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+    rw = mx.array(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
+    x = rng.standard_normal((T, D)).astype(np.float32) * 0.05
+    mid = rng.standard_normal((T * k + T, 256)).astype(np.float32)
+
+    def both(w, x, **kw):
+        got = np.array(kernels.mv(w, kernels.quantize_x(mx.array(x)), BACKEND, ids=ids, k_slots=k, xq=True, **kw))
+        xh = mx.array(quantize_x_octets(x).astype(np.float32))
+        return got, np.array(kernels.mv(w, xh, BACKEND, ids=ids, k_slots=k, **kw))
+
+    for got, want in (both(gate, x, epi=kernels.MV_SWIGLU, w2=up, aux=rw, clamp=0.02, shared=sgu),
+                      both(down, mid, epi=kernels.MV_SUM, shared=sd)):
+        assert got.shape == want.shape and np.isfinite(got).all()
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @needs_gpu
