@@ -76,7 +76,7 @@ MV_SWIGLU_TYPES = tuple(t for t in KERNEL_TYPES if t != QT.F32)
 #: GGUFs: Q8_0), and the routed types the compile checks pair it with (every launch type works).
 MV_SHARED_TYPE = QT.Q8_0
 MV_SHARED_ROUTED = (QT.IQ2_XXS, QT.Q2_K, QT.Q4_K)
-# Quantized x (mv.body XQ, prototype): the types that decode in octets, and the MoE launches that take it.
+#: Quantized x (mv.body XQ; the routed experts' gate+up launch in decode): the types that decode in octets.
 MV_XQ_TYPES = (QT.Q8_0, QT.Q2_K, QT.IQ2_XXS)
 
 INPUTS = {
@@ -315,7 +315,7 @@ def instantiations() -> list[Instantiation]:
                     if gather and epi in (MV_SWIGLU, MV_SUM) and qt in MV_SHARED_ROUTED:  # MoE + shared expert
                         shared.append(MV_SHARED_TYPE)
                     for sh in shared:
-                        xq_ok = gather and epi in (MV_SWIGLU, MV_SUM) and qt in MV_XQ_TYPES
+                        xq_ok = gather and epi == MV_SWIGLU and qt in MV_XQ_TYPES  # the model's gate+up
                         for xq in (False, True) if xq_ok else (False,):
                             out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, sh, xq)))
             for bn in MM_BN_CHOICES:

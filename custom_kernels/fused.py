@@ -47,7 +47,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import (
-    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, Cols, _dummy, _params, _read, build, cols, mv,
+    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, build, cols, mv,
     render_prelude, render_source, supports,
 )
 
@@ -88,6 +88,8 @@ class KernelSpec:
     template: tuple[str, ...]
     out_types: tuple[str, ...] = ()  # per output; default float
     header: str = ""  # an extra header file after fused.h (only the kernels that need it carry its text)
+    body: str = ""  # the body file's kind, where a variant shares another kernel's body (default: its own)
+    define: str = ""  # a macro the header defines for that variant
 
     def out_type(self, i: int) -> str:
         return self.out_types[i] if self.out_types else "float"
@@ -99,6 +101,15 @@ SPECS = {
          ("params", "int32_t"), ("part", "float"), ("nw", "float")),
         ("x_out", "post_out", "comb_out"),
         ("NHC", "NITER", "TPB", "SPLIT", "NORM"),
+    ),
+    # HC pre that also writes its output quantized for the routed experts' matvec (kernels.quantize_x's layout)
+    "hc_pre_xq": KernelSpec(
+        (("S", "float"), ("fnw", "uint32_t"), ("scale", "float"), ("base", "float"), ("epsv", "float"),
+         ("params", "int32_t"), ("part", "float"), ("nw", "float")),
+        ("x_out", "post_out", "comb_out", "xq_out"),
+        ("NHC", "NITER", "TPB", "SPLIT", "NORM"),
+        body="hc_pre",
+        define="HC_PRE_XQ",
     ),
     "hc_mix": KernelSpec(
         (("S", "float"), ("fnw", "uint32_t"), ("params", "int32_t"), ("y", "float"), ("post", "float"),
@@ -165,8 +176,14 @@ SPECS = {
 def render_fused_header(backend: str, kind: str | None = None) -> str:
     """The macro layer (backend define + ds_prelude.h) followed by ``fused.h`` and kernel ``kind``'s extra
     header, if any; no block decoding."""
-    extra = SPECS[kind].header if kind else ""
-    return render_prelude(backend) + _read("fused.h") + (_read(extra) if extra else "")
+    spec = SPECS[kind] if kind else KernelSpec((), (), ())
+    define = f"#define {spec.define} 1\n" if spec.define else ""
+    return render_prelude(backend) + _read("fused.h") + (_read(spec.header) if spec.header else "") + define
+
+
+def render_body(kind: str, backend: str) -> str:
+    """The ``source`` of fused kernel ``kind`` (:func:`ds4_mlx.kernels.render_source` of its body)."""
+    return render_source(SPECS[kind].body or kind, backend)
 
 
 @lru_cache(maxsize=None)
@@ -174,7 +191,7 @@ def get_fused_kernel(kind: str, backend: str):
     """Build fused kernel ``kind`` once per backend (MLX caches each template specialization)."""
     spec = SPECS[kind]
     return build(f"ds_{kind}", [n for n, _ in spec.inputs], list(spec.outputs), render_fused_header(backend, kind),
-                 render_source(kind, backend), backend)  # fmt: skip
+                 render_body(kind, backend), backend)  # fmt: skip
 
 
 def instantiations() -> list[tuple[str, tuple]]:
@@ -182,6 +199,7 @@ def instantiations() -> list[tuple[str, tuple]]:
     out = [("hc_pre", (("NHC", 4), ("NITER", 20), ("TPB", tpb), ("SPLIT", 0), ("NORM", nm)))
            for tpb in HC_PRE_TPB_CHOICES for nm in (0, 1)]  # fmt: skip
     out += [("hc_pre", (("NHC", 4), ("NITER", 20), ("TPB", 1), ("SPLIT", 1), ("NORM", nm))) for nm in (0, 1)]
+    out.append(("hc_pre_xq", (("NHC", 4), ("NITER", 20), ("TPB", 1), ("SPLIT", 1), ("NORM", 1))))  # the FFN's
     out += [("hc_mix", (("NHC", 4), ("POST", p))) for p in (0, 1)]
     out.append(("hc_post", (("NHC", 4),)))
     for hd, rows, lanes in ((512, 8, 2), (128, 8, 2), (512, 128, 1), (128, 16, 1), (128, 128, 1)):
@@ -224,7 +242,7 @@ def render_cuda_unit(insts: list[tuple[str, tuple]]) -> str:
             f"namespace ds_fu{i} {{\n{render_fused_header('cuda', kind)}\n"
             f"namespace mlx {{ namespace core {{ namespace cu {{ namespace cg = cooperative_groups;\n"
             f"__global__ void custom_kernel_ds_{tag(kind, template)}({params}) {{\n{consts}"
-            f"{render_source(kind, 'cuda')}\n}}\n}}}}}}\n}}\n"
+            f"{render_body(kind, 'cuda')}\n}}\n}}}}}}\n}}\n"
         )
     return "\n".join(parts)
 
@@ -310,27 +328,29 @@ def hc_pre(
     override the launch choice (tests and benchmarks): ``split`` runs hc_mix first (default for
     T <= HC_PRE_SPLIT_MAX_T).
     """
-    return _hc_pre(S, fn, scale, base, cfg, norm, None, backend, tpb, split)[1:]
+    return _hc_pre(S, fn, scale, base, cfg, norm, None, backend, tpb, split)[1:4]
 
 
 def hc_post_pre(
     S: mx.array, y: mx.array, post: mx.array, comb: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg, *,
-    norm: mx.array | None = None, backend: str | None = None,
-) -> tuple[mx.array, mx.array, mx.array, mx.array]:  # fmt: skip
+    norm: mx.array | None = None, quantize: bool = False, backend: str | None = None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array | None]:  # fmt: skip
     """HC post of one sublayer then HC pre of the next: ``S' = hc_post(S, y, post, comb)``, then
-    ``hc_pre(S', fn, scale, base, cfg, norm=norm)`` -> ``(S', x or n, post', comb')``. For decode-sized T the
-    post runs inside the mix launch (one launch less)."""
+    ``hc_pre(S', fn, scale, base, cfg, norm=norm)`` -> ``(S', x or n, post', comb', xq)``. For decode-sized T the
+    post runs inside the mix launch (one launch less). ``quantize``: that launch also writes its output quantized
+    as :func:`ds4_mlx.kernels.quantize_x` does (``xq``, for :func:`experts_with_shared`); else ``xq`` is None,
+    as it is wherever the kernels do not run."""
     b = _pick(backend)
     _check_hc_post(S, y, post, comb)
     if S.shape[0] > HC_PRE_SPLIT_MAX_T:  # prefill: no split mix to carry the post
         S = hc_post(S, y, post, comb, backend=b)
-        return (S, *hc_pre(S, fn, scale, base, cfg, norm=norm, backend=b))
-    return _hc_pre(S, fn, scale, base, cfg, norm, (y, post, comb), b, None, None)
+        return (S, *hc_pre(S, fn, scale, base, cfg, norm=norm, backend=b), None)
+    return _hc_pre(S, fn, scale, base, cfg, norm, (y, post, comb), b, None, None, quantize)
 
 
-def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tuple:
-    """-> ``(S', x or n, post, comb)``; ``post_of = (y, post, comb)`` applies HC post to S first (inside the
-    split mix; only :func:`hc_post_pre` passes it, for decode-sized T)."""
+def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantize=False) -> tuple:
+    """-> ``(S', x or n, post, comb, xq or None)``; ``post_of = (y, post, comb)`` applies HC post to S first
+    (inside the split mix; only :func:`hc_post_pre` passes it, for decode-sized T)."""
     from ds4_mlx.model import hyper
 
     b = _pick(backend)
@@ -350,7 +370,7 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tupl
         if post_of is not None:
             S = hyper.hc_post(S, *post_of)
         x, post, comb = hyper.hc_pre(S, fn, scale, base, cfg)
-        return S, (x if norm is None else mx.fast.rms_norm(x, norm, cfg.rms_eps)), post, comb
+        return S, (x if norm is None else mx.fast.rms_norm(x, norm, cfg.rms_eps)), post, comb, None
     if split is None:
         split = tpb is None and T <= HC_PRE_SPLIT_MAX_T
     if tpb is None:
@@ -373,17 +393,18 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split) -> tupl
         if post_of is not None:
             S = S_new
     threads = HC_PRE_SPLIT_THREADS if split else HC_PRE_THREADS
-    x, post, comb = get_fused_kernel("hc_pre", b)(
+    quantize = quantize and E % 8 == 0
+    x, post, comb, *xq = get_fused_kernel("hc_pre_xq" if quantize else "hc_pre", b)(
         inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G), part,
                 unused if norm is None else norm],  # fmt: skip
         template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split)),
                   ("NORM", int(norm is not None))],  # fmt: skip
         grid=(-(-T // tpb) * threads * (2 if split else 1), 1, 1),  # split: a collapse and a gates group a token
         threadgroup=(threads, 1, 1),
-        output_shapes=[(T, E), (T, n_hc), (T, n_hc, n_hc)],
-        output_dtypes=[mx.float32] * 3,
+        output_shapes=[(T, E), (T, n_hc), (T, n_hc, n_hc)] + [(T, 5 * E // 8)] * quantize,
+        output_dtypes=[mx.float32] * (3 + quantize),
     )
-    return S, x, post, comb
+    return S, x, post, comb, (xq[0] if xq else None)
 
 
 # --- HC post ----------------------------------------------------------------------------------------------
@@ -983,13 +1004,15 @@ def expert_down_sum(
 
 def experts_with_shared(
     gate: Any, up: Any, down: Any, shared_gate_up: Any, shared_down: Any, x: mx.array, ids: mx.array,
-    route_w: mx.array, clamp: float, *, backend: str | None = None,
+    route_w: mx.array, clamp: float, *, xq: mx.array | None = None, backend: str | None = None,
 ) -> mx.array | None:  # fmt: skip
     """The whole expert part of the MoE (MODEL.md §4.8) in two matvec launches for decode-sized T on the GPU:
     ``sum_j down[ids_j] (route_w_j · swiglu(gate[ids_j] x, up[ids_j] x)) + shared_down · swiglu(shared x)``
     ``[T, E]``, the shared expert read by the routed launches (mv ``shared``) instead of two launches of its
-    own. ``shared_gate_up`` is its gate rows then its up rows. None where the kernels do not apply (the caller
-    runs :func:`expert_swiglu` and :func:`expert_down_sum` then)."""
+    own. ``shared_gate_up`` is its gate rows then its up rows. ``xq``: x quantized (:func:`hc_post_pre`), which
+    the gate+up launch reads instead of x where its weight types allow (``MV_XQ_TYPES``): integer dots, as
+    ds4-CUDA does (QUANTS.md §2.4). None where the kernels do not apply (the caller runs :func:`expert_swiglu`
+    and :func:`expert_down_sum` then)."""
     b, T = _pick(backend), x.shape[0]
     F, E = gate.shape[-2:]
     if not (_mv_ok(b, T, gate, down, shared_gate_up, shared_down) and gate.qtype == up.qtype
@@ -998,8 +1021,9 @@ def experts_with_shared(
         return None
     x2 = x if x.dtype == mx.float32 else x.astype(mx.float32)
     k = ids.shape[1]
-    mid = mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
-             shared=shared_gate_up)  # [T·k + T, F]: the routed rows, then the shared ones
+    use_xq = xq is not None and gate.qtype in MV_XQ_TYPES and shared_gate_up.qtype in MV_XQ_TYPES
+    mid = mv(gate, xq if use_xq else x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w,
+             clamp=float(clamp), shared=shared_gate_up, xq=use_xq)  # [T·k + T, F]: the routed rows, then the shared
     return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down)
 
 

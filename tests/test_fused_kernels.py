@@ -80,7 +80,7 @@ from ds4_mlx.weights import _kernels
 _kernels()
 from ds4_mlx.kernels import fused
 DT = {"float": mx.float32, "uint32_t": mx.uint32, "int32_t": mx.int32, "half": mx.float16}
-SMALL = {("hc_post", "post"): 4, ("hc_mix", "post"): 4, ("hc_pre", "scale"): 3}  # < 8 elements: Metal makes a `constant` pointer
+SMALL = {("hc_post", "post"): 4, ("hc_mix", "post"): 4, ("hc_pre", "scale"): 3, ("hc_pre_xq", "scale"): 3}  # < 8 elements: Metal makes a `constant` pointer
 d = tempfile.mkdtemp()
 for i, (kind, template) in enumerate(fused.instantiations()):
     spec = fused.SPECS[kind]
@@ -106,6 +106,7 @@ def test_metal_instantiations_typecheck(tmp_path):
     assert "const constant float* post" in sources["hc_post_NHC4"]  # the decode case's small input
     assert "const constant float* scale" in sources["hc_pre_NHC4_NITER20_TPB4_SPLIT0_NORM0"]
     assert "device float* comb_out" in sources["hc_pre_NHC4_NITER20_TPB1_SPLIT1_NORM1"]
+    assert "device float* xq_out" in sources["hc_pre_xq_NHC4_NITER20_TPB1_SPLIT1_NORM1"]
     assert "device float* part" in sources["hc_mix_NHC4_POST1"]
     r = gxx_metal_check(sources.values(), tmp_path, "fused_metal")
     assert r.returncode == 0, r.stderr[-6000:]
@@ -129,9 +130,11 @@ def test_cuda_check_catches_errors(tmp_path):
 
 def test_rendered_sources_share_one_body():
     for kind in fused.SPECS:
-        m, c = kernels.render_source(kind, "metal"), kernels.render_source(kind, "cuda")
+        m, c = fused.render_body(kind, "metal"), fused.render_body(kind, "cuda")
         assert m[len(kernels.minify(kernels.METAL_PROLOGUE)):] == c[len(kernels.minify(kernels.CUDA_PROLOGUE)):]
     assert fused.render_fused_header("metal").replace("DS_METAL", "DS_CUDA", 1) == fused.render_fused_header("cuda")
+    assert "#define HC_PRE_XQ 1" in fused.render_fused_header("cuda", "hc_pre_xq")
+    assert "HC_PRE_XQ 1" not in fused.render_fused_header("cuda", "hc_pre")
 
 
 # --- fallback path and validation (CPU) -------------------------------------------------------------------
@@ -158,7 +161,8 @@ def test_hc_fallback_is_the_graph_code(monkeypatch):
     S2 = hyper.hc_post(S, y, post, comb)
     assert mx.array_equal(fused.hc_post(S, y, post, comb), S2)
     norm = mx.random.uniform(0.5, 1.5, (64,), key=mx.random.key(3))
-    got = fused.hc_post_pre(S, y, post, comb, fn, scale, base, cfg, norm=norm)
+    got = fused.hc_post_pre(S, y, post, comb, fn, scale, base, cfg, norm=norm, quantize=True)
+    assert got[4] is None  # the MLX path quantizes nothing
     ref = (S2, *hyper.hc_pre(S2, fn, scale, base, cfg))
     for g, r in zip(got, ref[:1] + (mx.fast.rms_norm(ref[1], norm, cfg.rms_eps),) + ref[2:]):
         assert mx.array_equal(g, r)
@@ -373,6 +377,36 @@ def test_hc_post_pre_kernel(T, E, norm):
     np.testing.assert_array_equal(np.array(got[0]), np.array(fused.hc_post(S, y, post, comb, backend=BACKEND)))
     for g, r, tol in zip(got, ref, (1e-5, 2e-5, 1e-5, 1e-5)):
         close(g, r, tol)
+    assert got[4] is None  # nothing quantized unless asked
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,E", [(1, 4096), (3, 256), (16, 256)])
+def test_hc_post_pre_quantized(T, E):
+    """hc_pre_xq: the same outputs as hc_pre, plus n quantized as kernels.quantize_x lays it out: the same
+    scales and bytes (a remainder may differ by one where the kernel fuses y - q·d), x̂ within 1/32000 of each
+    octet's max|n|. T = 16 takes the prefill path, which quantizes nothing."""
+    cfg = HCfg()
+    S, fn, scale, base = hc_inputs(T, E, seed=T + 17)
+    y, post, comb = hc_post_inputs(T, E, seed=T + 18)
+    nw = mx.array(np.random.default_rng(T).uniform(0.5, 1.5, E).astype(np.float32))
+    plain = fused.hc_post_pre(S, y, post, comb, fn, scale, base, cfg, norm=nw, backend=BACKEND)
+    got = fused.hc_post_pre(S, y, post, comb, fn, scale, base, cfg, norm=nw, quantize=True, backend=BACKEND)
+    for g, p in zip(got[:4], plain[:4]):
+        np.testing.assert_array_equal(np.array(g), np.array(p))
+    if T > fused.HC_PRE_SPLIT_MAX_T:
+        assert got[4] is None
+        return
+    xq, want = np.array(got[4]), np.array(kernels.quantize_x(got[1]))
+    assert xq.shape == (T, 5 * E // 8) and xq.dtype == np.float32
+    b, wb = xq.view(np.uint8), want.view(np.uint8)
+    np.testing.assert_array_equal(xq[:, E // 2 :], want[:, E // 2 :])  # scales
+    np.testing.assert_array_equal(b[:, :E], wb[:, :E])  # q
+    assert np.abs(b[:, E : 2 * E].view(np.int8).astype(int) - wb[:, E : 2 * E].view(np.int8)).max() <= 1  # r
+    n = np.array(got[1])
+    xh = np.repeat(xq[:, E // 2 :], 8, axis=1) * (b[:, :E].view(np.int8) + b[:, E : 2 * E].view(np.int8) / 128.0)
+    amax = np.repeat(np.abs(n).reshape(T, -1, 8).max(-1), 8, axis=1)
+    assert np.all(np.abs(xh - n) <= amax / 32000) and np.abs(n).max() > 0.1
 
 
 @needs_gpu

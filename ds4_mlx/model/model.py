@@ -44,8 +44,8 @@ class Block:
         if S.shape[0] == 1:
             return hc_post(*self.decode((S,), tokens, pos, cache))
         n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)  # normed input [T, E]
-        S, n, post, comb = hc_post_pre(S, self.attn.forward(n, pos, cache), post, comb, *self.hc_ffn, self.cfg,
-                                       norm=self.ffn.ffn_norm)  # fmt: skip
+        S, n, post, comb, _ = hc_post_pre(S, self.attn.forward(n, pos, cache), post, comb, *self.hc_ffn, self.cfg,
+                                          norm=self.ffn.ffn_norm)  # fmt: skip
         return hc_post(S, self.ffn.forward(n, tokens), post, comb)
 
     def decode(self, carry: tuple, tokens: mx.array, pos: int, cache: LayerCache) -> tuple:
@@ -65,10 +65,11 @@ class Block:
             S = carry[0]
             n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
         else:
-            S, n, post, comb = hc_post_pre(*carry, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
+            S, n, post, comb, _ = hc_post_pre(*carry, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
         y, st = self.attn.decode(n, st, io, key)
-        S, n, post, comb = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm)
-        return (S, self.ffn.forward(n, tokens), post, comb), st
+        S, n, post, comb, nq = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm,
+                                           quantize=self.ffn.quantized_x)  # fmt: skip
+        return (S, self.ffn.forward(n, tokens, nq), post, comb), st
 
     def _step_fn(self, key: DecodeKey) -> Callable:
         """The step for ``key``, compiled once the raw window is full (before that its shapes change every

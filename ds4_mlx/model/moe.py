@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import expert_down_sum, expert_swiglu, experts_with_shared, moe_route
+from ..kernels.fused import MV_XQ_TYPES, expert_down_sum, expert_swiglu, experts_with_shared, moe_route
 from ..weights import QuantWeight
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
@@ -120,6 +120,9 @@ class MoE:
         F = self.ffn_gate_up_shexp.out_features // 2
         self.ffn_gate_shexp, self.ffn_up_shexp = self.ffn_gate_up_shexp.split_rows([F, F])  # [F, E] each
         self.ffn_down_shexp = weights[p + "ffn_down_shexp.weight"]  # [E, F]
+        # decode on the GPU: HC pre also writes the normed input quantized, for the gate+up launch's integer dots
+        self.quantized_x = bool(getattr(numerics, "quantized_x", False)) and all(
+            w.qtype in MV_XQ_TYPES for w in (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_gate_up_shexp))
 
     def route(self, n: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """Router: normed input ``n [T, E]``, token ids ``[T]`` -> (expert ids int32 [T,k], weights [T,k])."""
@@ -151,9 +154,10 @@ class MoE:
         """The sublayer's input RMSNorm (HC pre applies it itself in the model: ``hc_pre(..., norm=ffn_norm)``)."""
         return mx.fast.rms_norm(x, self.ffn_norm, self.cfg.rms_eps)
 
-    def forward(self, n: mx.array, tokens: mx.array) -> mx.array:
-        """The sublayer from its normed input ``n [T, E]`` (:meth:`norm`) -> ``y [T, E]``."""
+    def forward(self, n: mx.array, tokens: mx.array, nq: mx.array | None = None) -> mx.array:
+        """The sublayer from its normed input ``n [T, E]`` (:meth:`norm`) -> ``y [T, E]``; ``nq``: ``n``
+        quantized by HC pre (:attr:`quantized_x`), or None."""
         sel, w = self.route(n, tokens)
         y = experts_with_shared(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self.ffn_gate_up_shexp,
-                                self.ffn_down_shexp, n, sel, w, self.clamp)  # decode on the GPU: two launches
+                                self.ffn_down_shexp, n, sel, w, self.clamp, xq=nq)  # decode on the GPU: two launches
         return self.routed(n, sel, w, add=self.shared(n)) if y is None else y
