@@ -1,6 +1,6 @@
 """Is the pipelined decode step bound by the host or by the device? Variants of one loop, in rounds, same context.
 
-    python benchmarks/pipeline_depth.py [--shape full] [--layers N] [--decode 32] [--rounds 2] [--onward]
+    python benchmarks/pipeline_depth.py [--shape full|narrow] [--layers N] [--decode 32] [--rounds 2] [--onward]
 
 Each variant restores the same session snapshot (prefill 1024 + warm-up) and decodes ``--decode`` greedy tokens
 (``--onward``: continues from where the last run stopped, over positions never decoded before, as a real
@@ -89,7 +89,9 @@ def run(sess: Session, start, n: int, lag: int | None, delay: float = 0.0, sampl
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", choices=("full", "tiny"), default="full")
+    ap.add_argument("--shape", choices=("full", "tiny", "narrow"), default="full",
+                    help="narrow: the tiny widths with the full layer pattern (graph_cost.narrow_config), so the host "
+                         "does a full step's work and the device almost none")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--prefill", type=int, default=1024)
     ap.add_argument("--decode", type=int, default=32)
@@ -101,7 +103,12 @@ def main(argv: list[str] | None = None) -> dict:
                          "a real generation) instead of restoring the snapshot")
     args = ap.parse_args(argv)
 
-    cfg = bench.shape_config(args.shape, args.layers)
+    if args.shape == "narrow":
+        from graph_cost import narrow_config
+
+        cfg = narrow_config(args.layers or 43)
+    else:
+        cfg = bench.shape_config(args.shape, args.layers)
     model = bench.Model(cfg, bench.random_weights(cfg, "q2"))
     prompt = [0] + np.random.default_rng(0).integers(2, cfg.n_vocab, args.prefill - 1).tolist()
     Session(model).prefill(prompt[:512])  # kernel JIT
