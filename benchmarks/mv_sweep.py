@@ -96,7 +96,7 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
         ("down+sh", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
          lambda c: K.mv(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c)),
         ("down", configs("Q2_K", nsgs=(1, 2, 4), ks_max=2), lambda c: K.mv(down, mid6, b, **moe, epi=K.MV_SUM, config=c)),
-        # the prototype: x quantized beforehand (kernels.quantize_x), int8 dots (mv.body XQ)
+        # x quantized beforehand (kernels.quantize_x; the model's HC pre writes it), int8 dots (mv.body XQ)
         ("gateup+sh xq", configs("IQ2_XXS", 2, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
          lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True)),
         ("down+sh xq", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),

@@ -273,8 +273,8 @@ def mv_launch_shapes(qtype: QT, epi: int) -> list[tuple[int, int, int]]:
 def quantize_x(x: mx.array) -> mx.array:
     """x [..., in] (in % 8 == 0) as the quantized-x matvec reads it (mv.h ds_xq_load), float32-typed: per row,
     q = rint(x / d) as int8 [in], the remainder r = rint(128 (x − d·q) / d) as int8 [in], then d = max|x| / 127
-    per 8 values as float32 [in / 8]: 5·in/8 words a row, x ≈ d·(q + r/128). Here in MLX ops; in a model the
-    kernel that makes x would write it."""
+    per 8 values as float32 [in / 8]: 5·in/8 words a row, x ≈ d·(q + r/128). In the model HC pre's kernel writes it
+    (``fused.hc_post_pre(quantize=True)``); these MLX ops are the tests' and benchmarks' reference."""
     *lead, n = x.shape
     o = x.astype(mx.float32).reshape(-1, n // 8, 8)
     amax = mx.abs(o).max(axis=-1, keepdims=True)
@@ -315,7 +315,7 @@ def instantiations() -> list[Instantiation]:
                     if gather and epi in (MV_SWIGLU, MV_SUM) and qt in MV_SHARED_ROUTED:  # MoE + shared expert
                         shared.append(MV_SHARED_TYPE)
                     for sh in shared:
-                        xq_ok = gather and epi == MV_SWIGLU and qt in MV_XQ_TYPES  # the model's gate+up
+                        xq_ok = sh is not None and epi == MV_SWIGLU and qt in MV_XQ_TYPES  # the model's gate+up
                         for xq in (False, True) if xq_ok else (False,):
                             out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, sh, xq)))
             for bn in MM_BN_CHOICES:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 from typing import Any
 
@@ -102,15 +102,6 @@ SPECS = {
         ("x_out", "post_out", "comb_out"),
         ("NHC", "NITER", "TPB", "SPLIT", "NORM"),
     ),
-    # HC pre that also writes its output quantized for the routed experts' matvec (kernels.quantize_x's layout)
-    "hc_pre_xq": KernelSpec(
-        (("S", "float"), ("fnw", "uint32_t"), ("scale", "float"), ("base", "float"), ("epsv", "float"),
-         ("params", "int32_t"), ("part", "float"), ("nw", "float")),
-        ("x_out", "post_out", "comb_out", "xq_out"),
-        ("NHC", "NITER", "TPB", "SPLIT", "NORM"),
-        body="hc_pre",
-        define="HC_PRE_XQ",
-    ),
     "hc_mix": KernelSpec(
         (("S", "float"), ("fnw", "uint32_t"), ("params", "int32_t"), ("y", "float"), ("post", "float"),
          ("comb", "float")),
@@ -168,6 +159,11 @@ SPECS = {
         "sample.h",
     ),
 }
+
+
+# HC pre that also writes its output quantized for the routed experts' matvec (kernels.quantize_x's layout)
+SPECS["hc_pre_xq"] = replace(SPECS["hc_pre"], outputs=SPECS["hc_pre"].outputs + ("xq_out",), body="hc_pre",
+                             define="HC_PRE_XQ")
 
 
 # --- rendering and building -----------------------------------------------------------------------------

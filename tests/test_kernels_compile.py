@@ -86,11 +86,11 @@ def test_instantiation_matrix_covers_every_type_and_kind():
         nr, nsg, ks = kernels.mv_config(qt, n_out, rows, epi, n_in)
         assert any(f"_NR{nr}_NSG{nsg}_" in t and f"_KS{ks}_EPI{epi}_" in t and t.startswith(f"mv_QT{int(qt)}_")
                    for t in tags), (qt, n_out, epi)
-    # the routed experts' gate+up launch with quantized x, with and without the shared expert
-    for qt in kernels.MV_XQ_TYPES:
-        for sh in (0, 1) if qt in kernels.MV_SHARED_ROUTED else (0,):
-            assert any(t.startswith(f"mv_QT{int(qt)}_") and f"_GATHER1_" in t and f"_EPI{kernels.MV_SWIGLU}_SH{sh}_"
-                       in t and t.endswith("_XQ1") for t in tags), (qt, sh)  # fmt: skip
+    # the routed experts' gate+up launch with the shared expert and quantized x (fused.experts_with_shared)
+    for qt in set(kernels.MV_XQ_TYPES) & set(kernels.MV_SHARED_ROUTED):
+        for nr, nsg, ks in kernels.mv_launch_shapes(qt, kernels.MV_SWIGLU):
+            assert (f"mv_QT{int(qt)}_NR{nr}_NSG{nsg}_GATHER1_KS{ks}_EPI{kernels.MV_SWIGLU}_SH1_"
+                    f"SQT{int(kernels.MV_SHARED_TYPE)}_XQ1") in tags, (qt, nr, nsg, ks)  # fmt: skip
 
 
 def test_rendered_sources_share_one_body():
