@@ -74,7 +74,8 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
 
 
 def test_pipeline_depth_runs_at_tiny_shape():
-    """benchmarks/pipeline_depth.py: every variant, from the same snapshot (so the same tokens each time)."""
+    """benchmarks/pipeline_depth.py: every variant, from the same snapshot (so the same tokens each time), at
+    ``--shape narrow`` (the real layer pattern at the tiny widths)."""
     import importlib.util
     from pathlib import Path
 
@@ -82,7 +83,7 @@ def test_pipeline_depth_runs_at_tiny_shape():
     spec = importlib.util.spec_from_file_location("pipeline_depth", path)
     pd = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pd)
-    res = pd.main(["--shape", "tiny", "--prefill", "24", "--decode", "3", "--rounds", "1"])
+    res = pd.main(["--shape", "narrow", "--layers", "6", "--prefill", "24", "--decode", "3", "--rounds", "1"])
     assert set(res) == set(pd.VARIANTS)
     for name, [(ms, wait, cpu, enc_cpu)] in res.items():
         if name == "decode_tokens":  # timed as a whole: its wait and CPU split are inside it
