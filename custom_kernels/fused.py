@@ -333,10 +333,12 @@ def hc_post_pre(
 ) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array | None]:  # fmt: skip
     """HC post of one sublayer then HC pre of the next: ``S' = hc_post(S, y, post, comb)``, then
     ``hc_pre(S', fn, scale, base, cfg, norm=norm)`` -> ``(S', x or n, post', comb', xq)``. For decode-sized T the
-    post runs inside the mix launch (one launch less). ``quantize``: that launch also writes its output quantized
-    as :func:`ds4_mlx.kernels.quantize_x` does (``xq``, for :func:`experts_with_shared`); else ``xq`` is None,
-    as it is wherever the kernels do not run."""
+    post runs inside the mix launch (one launch less). ``quantize``: on CUDA (and the sim backend, which runs its
+    text), that launch also writes its output quantized as :func:`ds4_mlx.kernels.quantize_x` does (``xq``, for
+    :func:`experts_with_shared`); else ``xq`` is None. Metal has no 4-byte integer dot, and ds4's Metal build
+    keeps f32 activations, so it keeps f32 x too."""
     b = _pick(backend)
+    quantize = quantize and b in ("cuda", "sim")
     _check_hc_post(S, y, post, comb)
     if S.shape[0] > HC_PRE_SPLIT_MAX_T:  # prefill: no split mix to carry the post
         S = hc_post(S, y, post, comb, backend=b)

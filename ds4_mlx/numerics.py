@@ -36,9 +36,9 @@ class Numerics:
     indexer_qat: bool  # Hadamard-128 + FP4-E2M1 on indexer q and indexer compressed rows
     f16_cache: bool  # f16 rounding of every row written to a cache (raw, compressed, indexer)
     rope_recurrence: bool = False  # ds4 CPU's f32 angle recurrence t_{k+1} = t_k * base^(-2/n_rot)
-    # GPU decode: the routed experts' gate+up matvec reads its input quantized (int8 plus an int8 remainder per 8
+    # CUDA decode: the routed experts' gate+up matvec reads its input quantized (int8 plus an int8 remainder per 8
     # values, integer dots), as ds4's CUDA build does with coarser Q8_K (QUANTS.md §2.4); a kernel choice, so the
-    # MLX paths (CPU, prefill) keep f32
+    # MLX paths (CPU, prefill) keep f32, and so does Metal (no integer dot; ds4's Metal build keeps f32)
     quantized_x: bool = False
 
     def with_(self, **changes) -> "Numerics":

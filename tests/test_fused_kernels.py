@@ -397,6 +397,9 @@ def test_hc_post_pre_quantized(T, E):
     if T > fused.HC_PRE_SPLIT_MAX_T:
         assert got[4] is None
         return
+    if BACKEND == "metal":  # no integer dot there: f32 x
+        assert got[4] is None
+        return
     xq, want = np.array(got[4]), np.array(kernels.quantize_x(got[1]))
     assert xq.shape == (T, 5 * E // 8) and xq.dtype == np.float32
     b, wb = xq.view(np.uint8), want.view(np.uint8)

@@ -175,6 +175,8 @@ def test_decode_quantized_x(model):
     of the logit scale here, against 5e-5 to 7.5e-5 in the hf profile (measured; not run, to save CI time)."""
     if not model.numerics.quantized_x:
         pytest.skip("the ds4 profile's default (the hf profile keeps f32 x)")
+    if kernel_backend() == "metal":
+        pytest.skip("CUDA's (and the sim backend's) only: Metal keeps f32 x")
     tokens = prompt(46, seed=3)
     s = Session(model)
     s.prefill(tokens[:42])
