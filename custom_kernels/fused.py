@@ -338,7 +338,6 @@ def hc_post_pre(
     :func:`experts_with_shared`); else ``xq`` is None. Metal has no 4-byte integer dot, and ds4's Metal build
     keeps f32 activations, so it keeps f32 x too."""
     b = _pick(backend)
-    quantize = quantize and b in ("cuda", "sim")
     _check_hc_post(S, y, post, comb)
     if S.shape[0] > HC_PRE_SPLIT_MAX_T:  # prefill: no split mix to carry the post
         S = hc_post(S, y, post, comb, backend=b)
@@ -391,7 +390,7 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
         if post_of is not None:
             S = S_new
     threads = HC_PRE_SPLIT_THREADS if split else HC_PRE_THREADS
-    quantize = quantize and E % 8 == 0
+    quantize = quantize and b in ("cuda", "sim") and E % 8 == 0  # octets; Metal keeps f32 x (hc_post_pre)
     x, post, comb, *xq = get_fused_kernel("hc_pre_xq" if quantize else "hc_pre", b)(
         inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G), part,
                 unused if norm is None else norm],  # fmt: skip
@@ -1000,6 +999,11 @@ def expert_down_sum(
     return mv(down, x2, b, ids=ids, k_slots=ids.shape[1], epi=MV_SUM, aux=add)
 
 
+def takes_quantized_x(*weights: Any) -> bool:
+    """Whether the routed gate+up launch can read quantized x with these weights (``MV_XQ_TYPES``)."""
+    return all(w.qtype in MV_XQ_TYPES for w in weights)
+
+
 def experts_with_shared(
     gate: Any, up: Any, down: Any, shared_gate_up: Any, shared_down: Any, x: mx.array, ids: mx.array,
     route_w: mx.array, clamp: float, *, xq: mx.array | None = None, backend: str | None = None,
@@ -1019,7 +1023,7 @@ def experts_with_shared(
         return None
     x2 = x if x.dtype == mx.float32 else x.astype(mx.float32)
     k = ids.shape[1]
-    use_xq = xq is not None and gate.qtype in MV_XQ_TYPES and shared_gate_up.qtype in MV_XQ_TYPES
+    use_xq = xq is not None and takes_quantized_x(gate, up, shared_gate_up)
     mid = mv(gate, xq if use_xq else x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w,
              clamp=float(clamp), shared=shared_gate_up, xq=use_xq)  # [T·k + T, F]: the routed rows, then the shared
     return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import MV_XQ_TYPES, expert_down_sum, expert_swiglu, experts_with_shared, moe_route
+from ..kernels.fused import expert_down_sum, expert_swiglu, experts_with_shared, moe_route, takes_quantized_x
 from ..weights import QuantWeight
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
@@ -121,8 +121,8 @@ class MoE:
         self.ffn_gate_shexp, self.ffn_up_shexp = self.ffn_gate_up_shexp.split_rows([F, F])  # [F, E] each
         self.ffn_down_shexp = weights[p + "ffn_down_shexp.weight"]  # [E, F]
         # decode on the GPU: HC pre also writes the normed input quantized, for the gate+up launch's integer dots
-        self.quantized_x = bool(getattr(numerics, "quantized_x", False)) and all(
-            w.qtype in MV_XQ_TYPES for w in (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_gate_up_shexp))
+        self.quantized_x = bool(getattr(numerics, "quantized_x", False)) and takes_quantized_x(
+            self.ffn_gate_exps, self.ffn_up_exps, self.ffn_gate_up_shexp)
 
     def route(self, n: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
         """Router: normed input ``n [T, E]``, token ids ``[T]`` -> (expert ids int32 [T,k], weights [T,k])."""
