@@ -417,15 +417,16 @@ def mv(
     qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
     clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None, x_rows: int | None = None,
-    xq: bool = False,
+    xq: bool = False, x_off: int = 0,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
     ``x2``, ``ids`` and ``aux`` may come in any shape with those sizes (the kernel reads them flat), and
     ``shape`` names the output's shape (same size), so callers need no reshapes (each is a graph node).
-    ``x_rows=1`` (dense): x is the first ``in`` values of ``x2``, one token's row that holds more columns.
-    The kernel loads x as float4: a slice passed in must start 16-byte aligned (MLX hands a view's pointer over
-    at its offset; every column start the model takes is a multiple of 64 floats).
+    ``x_rows=1``: x is the ``in`` values (``xq``: words) of ``x2`` from ``x_off`` on, one token's columns of a row
+    that holds more (:class:`Cols`). The kernel loads x as float4: ``x_off`` must be a multiple of 4, and a slice
+    passed in must start 16-byte aligned (MLX hands a view's pointer over at its offset; every column start the
+    model takes is a multiple of 4 floats).
 
     Epilogues (mv.body): ``MV_SWIGLU`` reads ``w2`` (the up weight, same type and shape) next to ``qw`` (gate)
     and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
@@ -451,6 +452,8 @@ def mv(
         raise ValueError(f"mv: the SwiGLU epilogue needs an up weight like {qw!r} of a type in MV_SWIGLU_TYPES")
     if epi == MV_RMS and (gather or aux is None or aux.shape != (qw.shape[-1],) or aux.dtype != mx.float32):
         raise ValueError(f"mv: the RMSNorm epilogue is dense and needs the norm weight as float32 aux [{qw.shape[-1]}]")
+    if x_off and (x_off % 4 or x_rows != 1):
+        raise ValueError(f"mv: x_off {x_off} must be a multiple of 4, with x_rows=1")
     n_x = x2.size // (5 * qw.shape[-1] // 8 if xq else qw.shape[-1]) if x_rows is None else x_rows  # rows of x
     P = ids.size if gather else n_x
     if shared is not None and epi == MV_SUM:
@@ -459,7 +462,7 @@ def mv(
     if xq and (epi == MV_RMS or qw.qtype not in MV_XQ_TYPES or shared_qt not in (None, *MV_XQ_TYPES)):
         raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
-    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, shared_qt, xq)
+    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, shared_qt, xq, x_off)
     plan = qw._cache.get(("mv",) + key)
     if plan is None:
         plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
@@ -482,7 +485,7 @@ def mv(
 
 def _mv_plan(
     qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: bool = False,
-    clamp: float = 0.0, shared_qt: QT | None = None, xq: bool = False,
+    clamp: float = 0.0, shared_qt: QT | None = None, xq: bool = False, x_off: int = 0,
 ) -> tuple:  # fmt: skip
     """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
@@ -495,7 +498,7 @@ def _mv_plan(
         raise ValueError("mv: the sum epilogue needs a gathered launch of whole tokens")
     per_slot = int(gather and n_x == P and k_slots > 1)
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
-    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux))
+    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux), x_off)
     groups = -(-n_out // (nr * nsg // ks))
     template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt, xq))
     return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
@@ -611,10 +614,20 @@ def _dense_mv(qw, N: int) -> bool:
     return 0 < N <= MV_MAX_TOKENS and supports(qw) and not _q8_affine(qw)
 
 
-def matmul(qw, x: mx.array, backend: str) -> mx.array:
-    """``x @ W.T`` on the GPU backends: x [..., in] → float32 [..., out]."""
-    lead = x.shape[:-1]
+def _row_cols(qw, x: Cols) -> bool:
+    """Whether the matvec reads ``x``'s columns where they are: one row, an aligned start, a dense matvec."""
+    return x.a.shape[0] == 1 and x.start % 4 == 0 and x.start + qw.shape[-1] <= x.a.shape[-1] and _dense_mv(qw, 1)
+
+
+def matmul(qw, x: mx.array | Cols, backend: str) -> mx.array:
+    """``x @ W.T`` on the GPU backends: x [..., in] → float32 [..., out]. ``x`` may be one token's columns of a
+    wider row (:class:`Cols`): the matvec reads them in place."""
     n_in = qw.shape[-1]
+    if isinstance(x, Cols):
+        if _row_cols(qw, x):
+            return mv(qw, x.a, backend, shape=(1, qw.shape[0]), x_rows=1, x_off=x.start)
+        x = cols(x, n_in)
+    lead = x.shape[:-1]
     N = x.size // n_in
     if N == 0:
         return mx.zeros((*lead, qw.shape[0]), dtype=mx.float32)
@@ -635,11 +648,12 @@ def matmul(qw, x: mx.array, backend: str) -> mx.array:
 def matmul_rms(qw, x: mx.array | Cols, norm: mx.array, eps: float, backend: str) -> mx.array:
     """``rms_norm(x, norm, eps) @ W.T`` on the GPU backends: one matvec launch with the norm as its prologue
     for decode-sized x, else MLX's rms_norm then :func:`matmul`. ``x`` may be the first columns of one token's
-    wider row (:class:`Cols` at 0): the kernel reads x flat, so it reads them in place."""
+    wider row (:class:`Cols`): the kernel reads them in place."""
     n_in = qw.shape[-1]
     if isinstance(x, Cols):
-        if x.start == 0 and x.a.shape[0] == 1 and x.a.shape[-1] >= n_in and _dense_mv(qw, 1):
-            return mv(qw, x.a, backend, epi=MV_RMS, aux=norm, clamp=eps, shape=(1, qw.shape[0]), x_rows=1)
+        if _row_cols(qw, x):
+            return mv(qw, x.a, backend, epi=MV_RMS, aux=norm, clamp=eps, shape=(1, qw.shape[0]), x_rows=1,
+                      x_off=x.start)
         x = cols(x, n_in)
     if _dense_mv(qw, x.size // n_in):
         x = x if x.dtype == mx.float32 else x.astype(mx.float32)

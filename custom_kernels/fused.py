@@ -99,7 +99,7 @@ SPECS = {
     "hc_pre": KernelSpec(
         (("S", "float"), ("fnw", "uint32_t"), ("scale", "float"), ("base", "float"), ("epsv", "float"),
          ("params", "int32_t"), ("part", "float"), ("nw", "float")),
-        ("x_out", "post_out", "comb_out"),
+        ("out",),
         ("NHC", "NITER", "TPB", "SPLIT", "NORM"),
     ),
     "hc_mix": KernelSpec(
@@ -162,8 +162,7 @@ SPECS = {
 
 
 # HC pre that also writes its output quantized for the routed experts' matvec (kernels.quantize_x's layout)
-SPECS["hc_pre_xq"] = replace(SPECS["hc_pre"], outputs=SPECS["hc_pre"].outputs + ("xq_out",), body="hc_pre",
-                             define="HC_PRE_XQ")
+SPECS["hc_pre_xq"] = replace(SPECS["hc_pre"], body="hc_pre", define="HC_PRE_XQ")
 
 
 # --- rendering and building -----------------------------------------------------------------------------
@@ -314,7 +313,7 @@ def _fn_pairs(fn: Any) -> mx.array | None:
 
 def hc_pre(
     S: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg, *, norm: mx.array | None = None,
-    backend: str | None = None, tpb: int | None = None, split: bool | None = None,
+    backend: str | None = None, tpb: int | None = None, split: bool | None = None, cols: bool = False,
 ):  # fmt: skip
     """Fused HC pre (MODEL.md §4.3); same signature and results as :func:`ds4_mlx.model.hyper.hc_pre`.
 
@@ -322,30 +321,32 @@ def hc_pre(
     Returns ``x [T, E]``, ``post [T, n_hc]``, ``comb [T, n_hc, n_hc]``; with ``norm [E]`` the sublayer's
     normed input ``rms_norm(x, norm, cfg.rms_eps)`` instead of ``x`` (one launch less). ``tpb`` and ``split``
     override the launch choice (tests and benchmarks): ``split`` runs hc_mix first (default for
-    T <= HC_PRE_SPLIT_MAX_T).
+    T <= HC_PRE_SPLIT_MAX_T). ``cols`` (the decode step): one token's results as :class:`Cols` of the launch's
+    one output row, where the kernels that read them find them (on the kernel backends; else arrays).
     """
-    return _hc_pre(S, fn, scale, base, cfg, norm, None, backend, tpb, split)[1:4]
+    return _hc_pre(S, fn, scale, base, cfg, norm, None, backend, tpb, split, cols=cols)[1:4]
 
 
 def hc_post_pre(
-    S: mx.array, y: mx.array, post: mx.array, comb: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg, *,
-    norm: mx.array | None = None, quantize: bool = False, backend: str | None = None,
-) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array | None]:  # fmt: skip
+    S: mx.array, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, fn: Any, scale: mx.array,
+    base: mx.array, cfg, *, norm: mx.array | None = None, quantize: bool = False, cols: bool = False,
+    backend: str | None = None,
+) -> tuple:  # fmt: skip
     """HC post of one sublayer then HC pre of the next: ``S' = hc_post(S, y, post, comb)``, then
-    ``hc_pre(S', fn, scale, base, cfg, norm=norm)`` -> ``(S', x or n, post', comb', xq)``. For decode-sized T the
-    post runs inside the mix launch (one launch less). ``quantize``: on CUDA (and the sim backend, which runs its
-    text), that launch also writes its output quantized as :func:`ds4_mlx.kernels.quantize_x` does (``xq``, for
-    :func:`experts_with_shared`); else ``xq`` is None. Metal has no 4-byte integer dot, and ds4's Metal build
-    keeps f32 activations, so it keeps f32 x too."""
+    ``hc_pre(S', fn, scale, base, cfg, norm=norm, cols=cols)`` -> ``(S', x or n, post', comb', xq)``. For
+    decode-sized T the post runs inside the mix launch (one launch less). ``quantize``: on CUDA (and the sim
+    backend, which runs its text), that launch also writes its output quantized as
+    :func:`ds4_mlx.kernels.quantize_x` does (``xq``, for :func:`experts_with_shared`); else ``xq`` is None. Metal
+    has no 4-byte integer dot, and ds4's Metal build keeps f32 activations, so it keeps f32 x too."""
     b = _pick(backend)
     _check_hc_post(S, y, post, comb)
     if S.shape[0] > HC_PRE_SPLIT_MAX_T:  # prefill: no split mix to carry the post
         S = hc_post(S, y, post, comb, backend=b)
         return (S, *hc_pre(S, fn, scale, base, cfg, norm=norm, backend=b), None)
-    return _hc_pre(S, fn, scale, base, cfg, norm, (y, post, comb), b, None, None, quantize)
+    return _hc_pre(S, fn, scale, base, cfg, norm, (y, post, comb), b, None, None, quantize, cols)
 
 
-def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantize=False) -> tuple:
+def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantize=False, cols=False) -> tuple:
     """-> ``(S', x or n, post, comb, xq or None)``; ``post_of = (y, post, comb)`` applies HC post to S first
     (inside the split mix; only :func:`hc_post_pre` passes it, for decode-sized T)."""
     from ds4_mlx.model import hyper
@@ -365,7 +366,7 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
     fnw = _fn_pairs(fn)
     if b == "fallback" or fnw is None or n_hc not in (1, 2, 4) or T == 0 or E > HC_PRE_XK * HC_PRE_THREADS:
         if post_of is not None:
-            S = hyper.hc_post(S, *post_of)
+            S = hyper.hc_post(S, *_gate_arrays(*post_of, n_hc))
         x, post, comb = hyper.hc_pre(S, fn, scale, base, cfg)
         return S, (x if norm is None else mx.fast.rms_norm(x, norm, cfg.rms_eps)), post, comb, None
     if split is None:
@@ -379,8 +380,9 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
     part, G = unused, 0
     if split:
         G = -(-(n_hc * E // 2) // HC_MIX_THREADS)
+        y, post, comb, gate_params = (unused,) * 3 + ((),) if post_of is None else _gate_inputs(*post_of, n_hc)
         part, S_new = get_fused_kernel("hc_mix", b)(
-            inputs=[S, fnw, _params(E, T, G), *(post_of or (unused,) * 3)],
+            inputs=[S, fnw, _params(E, T, G, *gate_params), y, post, comb],
             template=[("NHC", n_hc), ("POST", int(post_of is not None))],
             grid=(G * HC_MIX_THREADS, T, 1),
             threadgroup=(HC_MIX_THREADS, 1, 1),
@@ -391,24 +393,50 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
             S = S_new
     threads = HC_PRE_SPLIT_THREADS if split else HC_PRE_THREADS
     quantize = quantize and b in ("cuda", "sim") and E % 8 == 0  # octets; Metal keeps f32 x (hc_post_pre)
-    x, post, comb, *xq = get_fused_kernel("hc_pre_xq" if quantize else "hc_pre", b)(
-        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G), part,
+    # One output row a token: x, post, comb, then (quantize) x quantized from a 16-byte aligned column XO.
+    XO = E + -(-(n_hc + n_hc * n_hc) // 4) * 4
+    PW = XO + 5 * E // 8 if quantize else E + n_hc + n_hc * n_hc
+    (out,) = get_fused_kernel("hc_pre_xq" if quantize else "hc_pre", b)(
+        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G, PW, XO), part,
                 unused if norm is None else norm],  # fmt: skip
         template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split)),
                   ("NORM", int(norm is not None))],  # fmt: skip
         grid=(-(-T // tpb) * threads * (2 if split else 1), 1, 1),  # split: a collapse and a gates group a token
         threadgroup=(threads, 1, 1),
-        output_shapes=[(T, E), (T, n_hc), (T, n_hc, n_hc)] + [(T, 5 * E // 8)] * quantize,
-        output_dtypes=[mx.float32] * (3 + quantize),
+        output_shapes=[(T, PW)],
+        output_dtypes=[mx.float32],
     )
-    return S, x, post, comb, (xq[0] if xq else None)
+    if cols and T == 1:
+        return S, Cols(out, 0), Cols(out, E), Cols(out, E + n_hc), Cols(out, XO) if quantize else None
+    c0 = E + n_hc
+    return (S, out[:, :E], out[:, E:c0], out[:, c0 : c0 + n_hc * n_hc].reshape(T, n_hc, n_hc),
+            out[:, XO:] if quantize else None)  # fmt: skip
+
+
+def _gate_inputs(y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, n: int) -> tuple:
+    """HC post's operands as hc_mix.body and hc_post.body read them: ``(y, post, comb, (ps, po, cs, co))``, token
+    t's post gates at ``post[t * ps + po]`` and its comb at ``comb[t * cs + co]``. ``post`` and ``comb`` are arrays
+    ``[T, n]``, ``[T, n, n]`` or :class:`Cols` of HC pre's output row (:func:`hc_pre` ``cols``)."""
+    if isinstance(post, Cols):
+        return y, post.a, comb.a, (post.a.shape[-1], post.start, comb.a.shape[-1], comb.start)
+    return y, post, comb, (n, 0, n * n, 0)
+
+
+def _gate_arrays(y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, n: int) -> tuple:
+    """``(y, post [T, n], comb [T, n, n])`` as arrays, for the pure-MLX :func:`ds4_mlx.model.hyper.hc_post`."""
+    if not isinstance(post, Cols):
+        return y, post, comb
+    return y, cols(post, n), cols(comb, n * n).reshape(1, n, n)
 
 
 # --- HC post ----------------------------------------------------------------------------------------------
 
 
-def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array, *, backend: str | None = None) -> mx.array:
-    """Fused HC post (MODEL.md §4.9); same signature and results as :func:`ds4_mlx.model.hyper.hc_post`."""
+def hc_post(
+    S: mx.array, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, *, backend: str | None = None
+) -> mx.array:
+    """Fused HC post (MODEL.md §4.9); same signature and results as :func:`ds4_mlx.model.hyper.hc_post`.
+    ``post`` and ``comb`` may be :class:`Cols` of HC pre's output row (:func:`hc_pre` ``cols``)."""
     from ds4_mlx.model import hyper
 
     b = _pick(backend)
@@ -416,9 +444,10 @@ def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array, *, backend
     T, n, E = S.shape
     tg = next((t for t in HC_POST_THREADS if E % t == 0), None)
     if b == "fallback" or tg is None or T == 0:
-        return hyper.hc_post(S, y, post, comb)
+        return hyper.hc_post(S, *_gate_arrays(y, post, comb, n))
+    y, post, comb, gate_params = _gate_inputs(y, post, comb, n)
     return get_fused_kernel("hc_post", b)(
-        inputs=[S, y, post, comb, _params(E, T)],  # comb [T, n, n] read flat
+        inputs=[S, y, post, comb, _params(E, T, *gate_params)],  # comb [T, n, n] read flat
         template=[("NHC", n)],
         grid=(E, T, 1),
         threadgroup=(tg, 1, 1),
@@ -427,12 +456,18 @@ def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array, *, backend
     )[0]
 
 
-def _check_hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array) -> None:
+def _check_hc_post(S: mx.array, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols) -> None:
     if S.ndim != 3:
         raise ValueError(f"hc_post: S must be [T, n_hc, E], got shape {tuple(S.shape)}")
     T, n, E = S.shape
     _check_f32("hc_post: S", S, (T, n, E))
     _check_f32("hc_post: y", y, (T, E))
+    if isinstance(post, Cols) or isinstance(comb, Cols):
+        if T != 1 or not (isinstance(post, Cols) and isinstance(comb, Cols)):
+            raise ValueError("hc_post: post and comb as Cols are one token's, both Cols")
+        _row_in_place("hc_post: post", post, n)
+        _row_in_place("hc_post: comb", comb, n * n)
+        return
     _check_f32("hc_post: post", post, (T, n))
     _check_f32("hc_post: comb", comb, (T, n, n))
 
@@ -1005,27 +1040,32 @@ def takes_quantized_x(*weights: Any) -> bool:
 
 
 def experts_with_shared(
-    gate: Any, up: Any, down: Any, shared_gate_up: Any, shared_down: Any, x: mx.array, ids: mx.array,
-    route_w: mx.array, clamp: float, *, xq: mx.array | None = None, backend: str | None = None,
+    gate: Any, up: Any, down: Any, shared_gate_up: Any, shared_down: Any, x: mx.array | Cols, ids: mx.array,
+    route_w: mx.array, clamp: float, *, xq: mx.array | Cols | None = None, backend: str | None = None,
 ) -> mx.array | None:  # fmt: skip
     """The whole expert part of the MoE (MODEL.md §4.8) in two matvec launches for decode-sized T on the GPU:
     ``sum_j down[ids_j] (route_w_j · swiglu(gate[ids_j] x, up[ids_j] x)) + shared_down · swiglu(shared x)``
     ``[T, E]``, the shared expert read by the routed launches (mv ``shared``) instead of two launches of its
     own. ``shared_gate_up`` is its gate rows then its up rows. ``xq``: x quantized (:func:`hc_post_pre`), which
     the gate+up launch reads instead of x where its weight types allow (``MV_XQ_TYPES``): integer dots, as
-    ds4-CUDA does (QUANTS.md §2.4). None where the kernels do not apply (the caller runs :func:`expert_swiglu`
+    ds4-CUDA does (QUANTS.md §2.4). ``x`` and ``xq`` may be one token's :class:`Cols` of HC pre's output row
+    (:func:`hc_post_pre` ``cols``). None where the kernels do not apply (the caller runs :func:`expert_swiglu`
     and :func:`expert_down_sum` then)."""
-    b, T = _pick(backend), x.shape[0]
+    b, T = _pick(backend), 1 if isinstance(x, Cols) else x.shape[0]
     F, E = gate.shape[-2:]
     if not (_mv_ok(b, T, gate, down, shared_gate_up, shared_down) and gate.qtype == up.qtype
             and gate.qtype in MV_SWIGLU_TYPES and shared_gate_up.shape == (2 * F, E)
             and shared_down.shape == (E, F) and shared_down.qtype == shared_gate_up.qtype):  # fmt: skip
         return None
-    x2 = x if x.dtype == mx.float32 else x.astype(mx.float32)
     k = ids.shape[1]
     use_xq = xq is not None and takes_quantized_x(gate, up, shared_gate_up)
-    mid = mv(gate, xq if use_xq else x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w,
-             clamp=float(clamp), shared=shared_gate_up, xq=use_xq)  # [T·k + T, F]: the routed rows, then the shared
+    xin = xq if use_xq else x
+    if isinstance(xin, Cols):  # one token's columns of HC pre's output row
+        x2, at = xin.a, dict(x_rows=1, x_off=xin.start)
+    else:
+        x2, at = (xin if xin.dtype == mx.float32 else xin.astype(mx.float32)), {}
+    mid = mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
+             shared=shared_gate_up, xq=use_xq, **at)  # [T·k + T, F]: the routed rows, then the shared
     return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down)
 
 

@@ -162,16 +162,18 @@ class QuantWeight:
 
     # --- products ---------------------------------------------------------------------------------------
 
-    def matmul(self, x: mx.array) -> mx.array:
-        """``y = x @ W.T``: x ``[..., in]`` → float32 ``[..., out]`` for a 2-D weight."""
+    def matmul(self, x) -> mx.array:
+        """``y = x @ W.T``: x ``[..., in]`` → float32 ``[..., out]`` for a 2-D weight; or one token's columns of a
+        wider row (:class:`ds4_mlx.kernels.Cols`), which the GPU backends read in place."""
         if len(self.shape) != 2:
             raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
-        if x.shape[-1] != self.in_features:
+        if isinstance(x, mx.array) and x.shape[-1] != self.in_features:
             raise ValueError(f"matmul: x has {x.shape[-1]} features, weight expects {self.in_features}")
         backend = kernel_backend()
         if backend != "fallback":
-            return _kernels().matmul(self, x, backend)
-        return self._fallback_matmul(x)
+            return _kernels().matmul(self, x, backend)  # takes Cols too
+        # Cols come from decode, which imported the kernels
+        return self._fallback_matmul(x if isinstance(x, mx.array) else _kernels().cols(x, self.in_features))
 
     def matmul_rms(self, x, norm: mx.array, eps: float) -> mx.array:
         """``rms_norm(x, norm, eps) @ W.T``: on the GPU backends the norm is the matvec's prologue (one launch).

@@ -105,8 +105,8 @@ def test_metal_instantiations_typecheck(tmp_path):
         assert "ds_lane = thread_index_in_simdgroup" in src
     assert "const constant float* post" in sources["hc_post_NHC4"]  # the decode case's small input
     assert "const constant float* scale" in sources["hc_pre_NHC4_NITER20_TPB4_SPLIT0_NORM0"]
-    assert "device float* comb_out" in sources["hc_pre_NHC4_NITER20_TPB1_SPLIT1_NORM1"]
-    assert "device float* xq_out" in sources["hc_pre_xq_NHC4_NITER20_TPB1_SPLIT1_NORM1"]
+    assert "device float* out" in sources["hc_pre_NHC4_NITER20_TPB1_SPLIT1_NORM1"]  # x, post, comb: one row
+    assert "device float* out" in sources["hc_pre_xq_NHC4_NITER20_TPB1_SPLIT1_NORM1"]
     assert "device float* part" in sources["hc_mix_NHC4_POST1"]
     r = gxx_metal_check(sources.values(), tmp_path, "fused_metal")
     assert r.returncode == 0, r.stderr[-6000:]
@@ -410,6 +410,48 @@ def test_hc_post_pre_quantized(T, E):
     xh = np.repeat(xq[:, E // 2 :], 8, axis=1) * (b[:, :E].view(np.int8) + b[:, E : 2 * E].view(np.int8) / 128.0)
     amax = np.repeat(np.abs(n).reshape(T, -1, 8).max(-1), 8, axis=1)
     assert np.all(np.abs(xh - n) <= amax / 32000) and np.abs(n).max() > 0.1
+
+
+@needs_gpu
+def test_hc_pre_cols_feed_the_decode_kernels():
+    """The decode step's HC pre (``cols=True``): one output row holds n, post, comb and n quantized, as Cols; they
+    equal the arrays of ``cols=False`` bit for bit, and each reader of a Cols (HC post, HC post inside the next
+    mix, the matvec, the routed experts' launches) gives exactly what it gives for the arrays."""
+    cfg, T, E, F = HCfg(), 1, 256, 256
+    S, fn, scale, base = hc_inputs(T, E, seed=41)
+    y, post, comb = hc_post_inputs(T, E, seed=42)
+    nw = mx.array(np.random.default_rng(43).uniform(0.5, 1.5, E).astype(np.float32))
+    quantize = BACKEND != "metal"
+    arrs = fused.hc_post_pre(S, y, post, comb, fn, scale, base, cfg, norm=nw, quantize=quantize, backend=BACKEND)
+    got = fused.hc_post_pre(S, y, post, comb, fn, scale, base, cfg, norm=nw, quantize=quantize, cols=True,
+                            backend=BACKEND)  # fmt: skip
+    S1, n, p, c, nq = got
+    assert all(isinstance(v, kernels.Cols) and v.a is n.a for v in (n, p, c) + ((nq,) if quantize else ()))
+    eq = np.testing.assert_array_equal
+    eq(np.array(S1), np.array(arrs[0]))
+    for v, a, w in ((n, arrs[1], E), (p, arrs[2], 4), (c, arrs[3], 16)) + (((nq, arrs[4], 5 * E // 8),) * quantize):
+        eq(np.array(kernels.cols(v, w)).reshape(a.shape), np.array(a))
+    y2 = mx.array(np.random.default_rng(44).standard_normal((T, E)).astype(np.float32))
+    eq(np.array(fused.hc_post(S1, y2, p, c, backend=BACKEND)),
+       np.array(fused.hc_post(S1, y2, *arrs[2:4], backend=BACKEND)))
+    nxt = [fused.hc_post_pre(S1, y2, pp, cc, fn, scale, base, cfg, backend=BACKEND) for pp, cc in ((p, c), arrs[2:4])]
+    for a, b in zip(nxt[0][:4], nxt[1][:4]):
+        eq(np.array(a), np.array(b))
+    with pytest.raises(ValueError, match="Cols"):
+        fused.hc_post(S1, y2, p, arrs[3], backend=BACKEND)
+
+    (w,) = expert_weights(QT.Q8_0, (48, E), 1, seed=45)
+    eq(np.array(w.matmul(n)), np.array(w.matmul(arrs[1])))  # the matvec reads n where it is
+    gate, up = expert_weights(QT.IQ2_XXS, (8, F, E), 2, seed=46)
+    (down,) = expert_weights(QT.Q2_K, (8, E, F), 1, seed=47)
+    sgu = QuantWeight.stack_rows(expert_weights(QT.Q8_0, (F, E), 2, seed=48))
+    (sd,) = expert_weights(QT.Q8_0, (E, F), 1, seed=49)
+    ids = mx.array([[3, 0, 6, 1, 7, 2]], dtype=mx.int32)
+    rw = mx.array(np.random.default_rng(50).uniform(0.1, 1.0, (1, 6)).astype(np.float32))
+    moe = [fused.experts_with_shared(gate, up, down, sgu, sd, xx, ids, rw, 0.02, xq=qq, backend=BACKEND)
+           for xx, qq in ((n, nq), (arrs[1], arrs[4]))]  # fmt: skip
+    eq(np.array(moe[0]), np.array(moe[1]))
+    assert np.abs(np.array(moe[0])).max() > 0
 
 
 @needs_gpu

@@ -337,9 +337,10 @@ def test_warp_is_32_lanes():
 
 
 @pytest.mark.parametrize("qt", [QT.Q8_0, QT.IQ2_XXS], ids=lambda q: q.name)
-def test_mv_rms_reads_a_prefix_in_place(qt):
-    """matmul_rms of ``Cols(row, 0)``: the first ``in`` values of one token's wider row (attn_q_a n, then attn_kv
-    n, in decode), read in place: the same result as the sliced x, on the kernels and on the fallback."""
+def test_mv_reads_cols_in_place(qt):
+    """matmul_rms and matmul of ``Cols(row, start)``: ``in`` values of one token's wider row (attn_q_a n, then
+    attn_kv n; HC pre's n, then its gates), read in place (the matvec's ``x_off``): the same result as the sliced
+    x, on the kernels and on the fallback."""
     rng = np.random.default_rng(int(qt))
     n_in = 4 * 256
     w, ref = make_weight(rng, qt, (40, n_in), np.float32)
@@ -351,9 +352,14 @@ def test_mv_rms_reads_a_prefix_in_place(qt):
             for r in (row, wide):
                 want = np.array(w.matmul_rms(r[:, :n_in], nw, 1e-6))
                 np.testing.assert_array_equal(np.array(w.matmul_rms(kernels.Cols(r, 0), nw, 1e-6)), want)
-            # a later start: the slice (16-byte aligned, as every start the model takes: the kernels load float4)
-            np.testing.assert_array_equal(np.array(w.matmul_rms(kernels.Cols(wide, 12), nw, 1e-6)),
-                                          np.array(w.matmul_rms(wide[:, 12 : 12 + n_in], nw, 1e-6)))  # fmt: skip
+            # a later start (16-byte aligned, as every start the model takes: the kernels load float4)
+            for start in (12, 2 * n_in):
+                np.testing.assert_array_equal(np.array(w.matmul_rms(kernels.Cols(wide, start), nw, 1e-6)),
+                                              np.array(w.matmul_rms(wide[:, start : start + n_in], nw, 1e-6)))
+                np.testing.assert_array_equal(np.array(w.matmul(kernels.Cols(wide, start))),
+                                              np.array(w.matmul(wide[:, start : start + n_in])))  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of 4"):
+        kernels.mv(w, wide, BACKEND, x_rows=1, x_off=6)
 
 
 def test_gather_matmul_flat_x_and_out_shape():

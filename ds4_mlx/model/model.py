@@ -63,12 +63,13 @@ class Block:
     def _step(self, key: DecodeKey, carry: tuple, tokens: mx.array, st: dict, io: dict) -> tuple[tuple, dict]:
         if len(carry) == 1:
             S = carry[0]
-            n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
+            n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm, cols=True)
         else:
-            S, n, post, comb, _ = hc_post_pre(*carry, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
+            S, n, post, comb, _ = hc_post_pre(*carry, *self.hc_attn, self.cfg, norm=self.attn.attn_norm, cols=True)
+        # n, post, comb (and nq) are columns of one output row of the HC pre launch (on the kernel backends)
         y, st = self.attn.decode(n, st, io, key)
         S, n, post, comb, nq = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm,
-                                           quantize=self.ffn.quantized_x)  # fmt: skip
+                                           quantize=self.ffn.quantized_x, cols=True)  # fmt: skip
         return (S, self.ffn.forward(n, tokens, nq), post, comb), st
 
     def _step_fn(self, key: DecodeKey) -> Callable:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import expert_down_sum, expert_swiglu, experts_with_shared, moe_route, takes_quantized_x
+from ..kernels.fused import cols, expert_down_sum, expert_swiglu, experts_with_shared, moe_route, takes_quantized_x
 from ..weights import QuantWeight
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
@@ -154,10 +154,14 @@ class MoE:
         """The sublayer's input RMSNorm (HC pre applies it itself in the model: ``hc_pre(..., norm=ffn_norm)``)."""
         return mx.fast.rms_norm(x, self.ffn_norm, self.cfg.rms_eps)
 
-    def forward(self, n: mx.array, tokens: mx.array, nq: mx.array | None = None) -> mx.array:
+    def forward(self, n, tokens: mx.array, nq=None) -> mx.array:
         """The sublayer from its normed input ``n [T, E]`` (:meth:`norm`) -> ``y [T, E]``; ``nq``: ``n``
-        quantized by HC pre (:attr:`quantized_x`), or None."""
+        quantized by HC pre (:attr:`quantized_x`), or None. In the decode step both may be one token's
+        :class:`~ds4_mlx.kernels.Cols` of HC pre's output row."""
         sel, w = self.route(n, tokens)
         y = experts_with_shared(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self.ffn_gate_up_shexp,
                                 self.ffn_down_shexp, n, sel, w, self.clamp, xq=nq)  # decode on the GPU: two launches
-        return self.routed(n, sel, w, add=self.shared(n)) if y is None else y
+        if y is None:
+            n = cols(n, self.ffn_gate_inp.in_features)
+            y = self.routed(n, sel, w, add=self.shared(n))
+        return y
