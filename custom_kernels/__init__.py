@@ -414,19 +414,18 @@ def supports(qw) -> bool:
 
 
 def mv(
-    qw, x2: mx.array, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
+    qw, x2: mx.array | Cols, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
-    clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None, x_rows: int | None = None,
-    xq: bool = False, x_off: int = 0,
+    clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None, xq: bool = False,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
     ``x2``, ``ids`` and ``aux`` may come in any shape with those sizes (the kernel reads them flat), and
     ``shape`` names the output's shape (same size), so callers need no reshapes (each is a graph node).
-    ``x_rows=1``: x is the ``in`` values (``xq``: words) of ``x2`` from ``x_off`` on, one token's columns of a row
-    that holds more (:class:`Cols`). The kernel loads x as float4: ``x_off`` must be a multiple of 4, and a slice
-    passed in must start 16-byte aligned (MLX hands a view's pointer over at its offset; every column start the
-    model takes is a multiple of 4 floats).
+    ``x2`` may be :class:`Cols`: one token's x (``xq``: its words) read in place from a row that holds more. The
+    kernel loads x as float4: a ``Cols`` start must be a multiple of 4, and a slice passed in must start 16-byte
+    aligned (MLX hands a view's pointer over at its offset; every column start the model takes is a multiple of
+    4 floats).
 
     Epilogues (mv.body): ``MV_SWIGLU`` reads ``w2`` (the up weight, same type and shape) next to ``qw`` (gate)
     and returns ``silu(min(g, clamp)) * clip(u, ±clamp)``, times ``aux [P]`` (route weights) if given;
@@ -452,9 +451,12 @@ def mv(
         raise ValueError(f"mv: the SwiGLU epilogue needs an up weight like {qw!r} of a type in MV_SWIGLU_TYPES")
     if epi == MV_RMS and (gather or aux is None or aux.shape != (qw.shape[-1],) or aux.dtype != mx.float32):
         raise ValueError(f"mv: the RMSNorm epilogue is dense and needs the norm weight as float32 aux [{qw.shape[-1]}]")
-    if x_off and (x_off % 4 or x_rows != 1):
-        raise ValueError(f"mv: x_off {x_off} must be a multiple of 4, with x_rows=1")
-    n_x = x2.size // (5 * qw.shape[-1] // 8 if xq else qw.shape[-1]) if x_rows is None else x_rows  # rows of x
+    if isinstance(x2, Cols):  # one token's row, read from column x_off on (mv.body params[8])
+        x2, x_off, n_x = x2.a, x2.start, 1
+        if x_off % 4:
+            raise ValueError(f"mv: x's columns start at {x_off}, not a multiple of 4")
+    else:
+        x_off, n_x = 0, x2.size // (5 * qw.shape[-1] // 8 if xq else qw.shape[-1])  # rows of x
     P = ids.size if gather else n_x
     if shared is not None and epi == MV_SUM:
         n_x -= P // k_slots  # the shared rows after the routed ones
@@ -625,7 +627,7 @@ def matmul(qw, x: mx.array | Cols, backend: str) -> mx.array:
     n_in = qw.shape[-1]
     if isinstance(x, Cols):
         if _row_cols(qw, x):
-            return mv(qw, x.a, backend, shape=(1, qw.shape[0]), x_rows=1, x_off=x.start)
+            return mv(qw, x, backend, shape=(1, qw.shape[0]))
         x = cols(x, n_in)
     lead = x.shape[:-1]
     N = x.size // n_in
@@ -652,8 +654,7 @@ def matmul_rms(qw, x: mx.array | Cols, norm: mx.array, eps: float, backend: str)
     n_in = qw.shape[-1]
     if isinstance(x, Cols):
         if _row_cols(qw, x):
-            return mv(qw, x.a, backend, epi=MV_RMS, aux=norm, clamp=eps, shape=(1, qw.shape[0]), x_rows=1,
-                      x_off=x.start)
+            return mv(qw, x, backend, epi=MV_RMS, aux=norm, clamp=eps, shape=(1, qw.shape[0]))
         x = cols(x, n_in)
     if _dense_mv(qw, x.size // n_in):
         x = x if x.dtype == mx.float32 else x.astype(mx.float32)

@@ -1059,13 +1059,11 @@ def experts_with_shared(
         return None
     k = ids.shape[1]
     use_xq = xq is not None and takes_quantized_x(gate, up, shared_gate_up)
-    xin = xq if use_xq else x
-    if isinstance(xin, Cols):  # one token's columns of HC pre's output row
-        x2, at = xin.a, dict(x_rows=1, x_off=xin.start)
-    else:
-        x2, at = (xin if xin.dtype == mx.float32 else xin.astype(mx.float32)), {}
+    x2 = xq if use_xq else x  # mv reads Cols in place
+    if not isinstance(x2, Cols) and x2.dtype != mx.float32:
+        x2 = x2.astype(mx.float32)
     mid = mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
-             shared=shared_gate_up, xq=use_xq, **at)  # [T·k + T, F]: the routed rows, then the shared
+             shared=shared_gate_up, xq=use_xq)  # [T·k + T, F]: the routed rows, then the shared
     return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down)
 
 

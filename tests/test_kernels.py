@@ -339,8 +339,8 @@ def test_warp_is_32_lanes():
 @pytest.mark.parametrize("qt", [QT.Q8_0, QT.IQ2_XXS], ids=lambda q: q.name)
 def test_mv_reads_cols_in_place(qt):
     """matmul_rms and matmul of ``Cols(row, start)``: ``in`` values of one token's wider row (attn_q_a n, then
-    attn_kv n; HC pre's n, then its gates), read in place (the matvec's ``x_off``): the same result as the sliced
-    x, on the kernels and on the fallback."""
+    attn_kv n; HC pre's n, then its gates), read in place (mv takes the Cols, its start as ``x_off``): the same
+    result as the sliced x, on the kernels and on the fallback."""
     rng = np.random.default_rng(int(qt))
     n_in = 4 * 256
     w, ref = make_weight(rng, qt, (40, n_in), np.float32)
@@ -359,7 +359,7 @@ def test_mv_reads_cols_in_place(qt):
                 np.testing.assert_array_equal(np.array(w.matmul(kernels.Cols(wide, start))),
                                               np.array(w.matmul(wide[:, start : start + n_in])))  # fmt: skip
     with pytest.raises(ValueError, match="multiple of 4"):
-        kernels.mv(w, wide, BACKEND, x_rows=1, x_off=6)
+        kernels.mv(w, kernels.Cols(wide, 6), BACKEND)
 
 
 def test_gather_matmul_flat_x_and_out_shape():
