@@ -417,6 +417,7 @@ def mv(
     qw, x2: mx.array | Cols, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
     clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None, xq: bool = False,
+    route_packed: bool = False,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
@@ -433,6 +434,9 @@ def mv(
     ``MV_RMS`` (dense) returns ``W @ rms_norm(x, aux, clamp)``: ``aux [in]`` is the norm weight, ``clamp`` eps.
     ``config`` overrides the launch's ``(NR, NSG, KS)`` (benchmarks sweep it; KS must divide NSG). ``xq``: x2
     holds x quantized by :func:`quantize_x` (5·in/8 words a row; types in MV_XQ_TYPES, no RMSNorm epilogue).
+
+    ``route_packed`` (gathered): ``ids`` is :func:`~ds4_mlx.kernels.fused.moe_route`'s packed ``[P/k, 2k]``, each
+    token's k ids then its route weights' f32 bits, which ``MV_SWIGLU`` multiplies by (``aux`` is then None).
 
     ``shared`` (gathered ``MV_SWIGLU`` / ``MV_SUM``): the shared expert in the same launch, T = P/k tokens.
     SwiGLU: ``shared`` holds its gate rows then its up rows (``[2·out, in]``) and the result is ``[P + T, out]``,
@@ -457,14 +461,17 @@ def mv(
             raise ValueError(f"mv: x's columns start at {x_off}, not a multiple of 4")
     else:
         x_off, n_x = 0, x2.size // (5 * qw.shape[-1] // 8 if xq else qw.shape[-1])  # rows of x
-    P = ids.size if gather else n_x
+    if route_packed and (not gather or aux is not None or ids.size % (2 * k_slots)):
+        raise ValueError("mv: a packed route is a gathered launch's ids [T, 2·k_slots], with no aux")
+    P = (ids.size // 2 if route_packed else ids.size) if gather else n_x
     if shared is not None and epi == MV_SUM:
         n_x -= P // k_slots  # the shared rows after the routed ones
     shared_qt = None if shared is None else shared.qtype
     if xq and (epi == MV_RMS or qw.qtype not in MV_XQ_TYPES or shared_qt not in (None, *MV_XQ_TYPES)):
         raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
-    key = (backend, P, n_x, k_slots, gather, config, epi, aux is not None, clamp, shared_qt, xq, x_off)
+    has_aux = 2 if route_packed and epi == MV_SWIGLU else int(aux is not None)
+    key = (backend, P, n_x, k_slots, gather, config, epi, has_aux, clamp, shared_qt, xq, x_off, route_packed)
     plan = qw._cache.get(("mv",) + key)
     if plan is None:
         plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
@@ -486,8 +493,8 @@ def mv(
 
 
 def _mv_plan(
-    qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: bool = False,
-    clamp: float = 0.0, shared_qt: QT | None = None, xq: bool = False, x_off: int = 0,
+    qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: int = 0,
+    clamp: float = 0.0, shared_qt: QT | None = None, xq: bool = False, x_off: int = 0, route_packed: bool = False,
 ) -> tuple:  # fmt: skip
     """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
@@ -500,7 +507,8 @@ def _mv_plan(
         raise ValueError("mv: the sum epilogue needs a gathered launch of whole tokens")
     per_slot = int(gather and n_x == P and k_slots > 1)
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
-    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(has_aux), x_off)
+    ip = k_slots * (2 if route_packed else 1)  # the ids' row pitch
+    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, has_aux, x_off, ip)
     groups = -(-n_out // (nr * nsg // ks))
     template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt, xq))
     return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)

@@ -105,7 +105,7 @@ SPECS = {
     "hc_mix": KernelSpec(
         (("S", "float"), ("fnw", "uint32_t"), ("params", "int32_t"), ("y", "float"), ("post", "float"),
          ("comb", "float")),
-        ("part", "S_out"),
+        ("out",),
         ("NHC", "POST"),
     ),
     "hc_post": KernelSpec(
@@ -150,8 +150,7 @@ SPECS = {
     ),
     "topk_rows": KernelSpec((("scores", "float"), ("counts", "int32_t")), ("idx",), ("NT",), ("int32_t",)),
     "moe_route": KernelSpec(
-        (("logits", "float"), ("bias", "float"), ("fparams", "float")), ("sel", "w"), ("NE", "K", "NORM"),
-        ("int32_t", "float"),
+        (("logits", "float"), ("bias", "float"), ("fparams", "float")), ("route",), ("NE", "K", "NORM"), ("int32_t",),
     ),
     "sample": KernelSpec(
         (("logits", "float"), ("fparams", "float"), ("u", "float"), ("counts", "int32_t")), ("token",), ("NT",),
@@ -328,7 +327,7 @@ def hc_pre(
 
 
 def hc_post_pre(
-    S: mx.array, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, fn: Any, scale: mx.array,
+    S: mx.array | Cols, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, fn: Any, scale: mx.array,
     base: mx.array, cfg, *, norm: mx.array | None = None, quantize: bool = False, cols: bool = False,
     backend: str | None = None,
 ) -> tuple:  # fmt: skip
@@ -339,24 +338,36 @@ def hc_post_pre(
     :func:`ds4_mlx.kernels.quantize_x` does (``xq``, for :func:`experts_with_shared`); else ``xq`` is None. Metal
     has no 4-byte integer dot, and ds4's Metal build keeps f32 activations, so it keeps f32 x too."""
     b = _pick(backend)
-    _check_hc_post(S, y, post, comb)
-    if S.shape[0] > HC_PRE_SPLIT_MAX_T:  # prefill: no split mix to carry the post
+    _, T, _, _ = _check_hc_post(S, y, post, comb, cfg.n_hc)
+    if T > HC_PRE_SPLIT_MAX_T:  # prefill: no split mix to carry the post
         S = hc_post(S, y, post, comb, backend=b)
         return (S, *hc_pre(S, fn, scale, base, cfg, norm=norm, backend=b), None)
     return _hc_pre(S, fn, scale, base, cfg, norm, (y, post, comb), b, None, None, quantize, cols)
 
 
+def _streams(name: str, S: mx.array | Cols, n_hc: int, E: int | None = None) -> tuple[mx.array, int, int]:
+    """``(array, T, E)`` of a stream state: ``S [T, n_hc, E]`` f32, or one token's ``Cols(a, 0)`` of hc_mix's
+    output row (``a [1, >= n_hc*E]``: the state first, then the partials; ``E`` then comes from the caller)."""
+    if not isinstance(S, Cols):
+        if S.ndim != 3:
+            raise ValueError(f"{name} must be [T, n_hc, E], got shape {tuple(S.shape)}")
+        _check_f32(name, S, (S.shape[0], n_hc, S.shape[2]))
+        return S, S.shape[0], S.shape[2]
+    if S.start != 0 or E is None:
+        raise ValueError(f"{name}: a state given as Cols starts at column 0 and needs E, got start {S.start}")
+    return _row_in_place(name, S, n_hc * E)[0], 1, E
+
+
 def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantize=False, cols=False) -> tuple:
     """-> ``(S', x or n, post, comb, xq or None)``; ``post_of = (y, post, comb)`` applies HC post to S first
-    (inside the split mix; only :func:`hc_post_pre` passes it, for decode-sized T)."""
+    (inside the split mix; only :func:`hc_post_pre` passes it, for decode-sized T). With ``cols`` and one
+    token, S' is :class:`Cols` of the mix launch's output row (what hc_mix, hc_pre and hc_post read in place)."""
     from ds4_mlx.model import hyper
 
     b = _pick(backend)
-    if S.ndim != 3:
-        raise ValueError(f"hc_pre: S must be [T, n_hc, E], got shape {tuple(S.shape)}")
-    T, n_hc, E = S.shape
+    n_hc = cfg.n_hc
     mix = 2 * n_hc + n_hc * n_hc
-    _check_f32("hc_pre: S", S, (T, cfg.n_hc, E))
+    S, T, E = _streams("hc_pre: S", S, n_hc, fn.shape[1] // n_hc)
     if tuple(fn.shape) != (mix, n_hc * E):
         raise ValueError(f"hc_pre: fn shape {tuple(fn.shape)}, expected {(mix, n_hc * E)}")
     _check_f32("hc_pre: scale", scale, (3,))
@@ -365,6 +376,7 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
         _check_f32("hc_pre: norm", norm, (E,))
     fnw = _fn_pairs(fn)
     if b == "fallback" or fnw is None or n_hc not in (1, 2, 4) or T == 0 or E > HC_PRE_XK * HC_PRE_THREADS:
+        S = _state_array(S, T, n_hc, E)
         if post_of is not None:
             S = hyper.hc_post(S, *_gate_arrays(*post_of, n_hc))
         x, post, comb = hyper.hc_pre(S, fn, scale, base, cfg)
@@ -377,27 +389,29 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
         raise ValueError(f"hc_pre: tpb must be one of {HC_PRE_TPB_CHOICES} (1 with split), got {tpb}")
     # The kernels index S [T, n_hc*E] and comb [T, n_hc*n_hc] flat: no reshapes (each would be a graph node).
     unused = _dummy(mx.float32)
-    part, G = unused, 0
+    part, G, PO, N = unused, 0, 0, n_hc * E
+    S_new = None
     if split:
-        G = -(-(n_hc * E // 2) // HC_MIX_THREADS)
+        G = -(-(N // 2) // HC_MIX_THREADS)
         y, post, comb, gate_params = (unused,) * 3 + ((),) if post_of is None else _gate_inputs(*post_of, n_hc)
-        part, S_new = get_fused_kernel("hc_mix", b)(
+        PO = T * N if post_of is not None else 0  # the partials follow the new state in the one output
+        (part,) = get_fused_kernel("hc_mix", b)(
             inputs=[S, fnw, _params(E, T, G, *gate_params), y, post, comb],
             template=[("NHC", n_hc), ("POST", int(post_of is not None))],
             grid=(G * HC_MIX_THREADS, T, 1),
             threadgroup=(HC_MIX_THREADS, 1, 1),
-            output_shapes=[(T, G, mix + 1), (T, n_hc, E) if post_of else (1,)],
-            output_dtypes=[mx.float32] * 2,
+            output_shapes=[(1, PO + T * G * (mix + 1))],
+            output_dtypes=[mx.float32],
         )
         if post_of is not None:
-            S = S_new
+            S = S_new = part
     threads = HC_PRE_SPLIT_THREADS if split else HC_PRE_THREADS
     quantize = quantize and b in ("cuda", "sim") and E % 8 == 0  # octets; Metal keeps f32 x (hc_post_pre)
     # One output row a token: x, post, comb, then (quantize) x quantized from a 16-byte aligned column XO.
     XO = E + -(-(n_hc + n_hc * n_hc) // 4) * 4
     PW = XO + 5 * E // 8 if quantize else E + n_hc + n_hc * n_hc
     (out,) = get_fused_kernel("hc_pre_xq" if quantize else "hc_pre", b)(
-        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G, PW, XO), part,
+        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G, PW, XO, PO), part,
                 unused if norm is None else norm],  # fmt: skip
         template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split)),
                   ("NORM", int(norm is not None))],  # fmt: skip
@@ -407,10 +421,18 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
         output_dtypes=[mx.float32],
     )
     if cols and T == 1:
+        S = Cols(S_new, 0) if S_new is not None else S
         return S, Cols(out, 0), Cols(out, E), Cols(out, E + n_hc), Cols(out, XO) if quantize else None
+    if S_new is not None:
+        S = S_new[:, :PO].reshape(T, n_hc, E)
     c0 = E + n_hc
     return (S, out[:, :E], out[:, E:c0], out[:, c0 : c0 + n_hc * n_hc].reshape(T, n_hc, n_hc),
             out[:, XO:] if quantize else None)  # fmt: skip
+
+
+def _state_array(S: mx.array, T: int, n_hc: int, E: int) -> mx.array:
+    """A stream state (:func:`_streams`' array) as ``[T, n_hc, E]``, for the pure-MLX paths."""
+    return S if S.ndim == 3 else S[:, : n_hc * E].reshape(T, n_hc, E)
 
 
 def _gate_inputs(y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, n: int) -> tuple:
@@ -433,18 +455,19 @@ def _gate_arrays(y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, n: i
 
 
 def hc_post(
-    S: mx.array, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, *, backend: str | None = None
-) -> mx.array:
+    S: mx.array | Cols, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, *, n_hc: int | None = None,
+    backend: str | None = None,
+) -> mx.array:  # fmt: skip
     """Fused HC post (MODEL.md §4.9); same signature and results as :func:`ds4_mlx.model.hyper.hc_post`.
-    ``post`` and ``comb`` may be :class:`Cols` of HC pre's output row (:func:`hc_pre` ``cols``)."""
+    ``post`` and ``comb`` may be :class:`Cols` of HC pre's output row (:func:`hc_pre` ``cols``), and ``S`` one
+    token's state as :class:`Cols` of the mix launch's row (:func:`hc_post_pre` ``cols``; give ``n_hc`` then)."""
     from ds4_mlx.model import hyper
 
     b = _pick(backend)
-    _check_hc_post(S, y, post, comb)
-    T, n, E = S.shape
+    S, T, n, E = _check_hc_post(S, y, post, comb, n_hc)
     tg = next((t for t in HC_POST_THREADS if E % t == 0), None)
     if b == "fallback" or tg is None or T == 0:
-        return hyper.hc_post(S, *_gate_arrays(y, post, comb, n))
+        return hyper.hc_post(_state_array(S, T, n, E), *_gate_arrays(y, post, comb, n))
     y, post, comb, gate_params = _gate_inputs(y, post, comb, n)
     return get_fused_kernel("hc_post", b)(
         inputs=[S, y, post, comb, _params(E, T, *gate_params)],  # comb [T, n, n] read flat
@@ -456,20 +479,24 @@ def hc_post(
     )[0]
 
 
-def _check_hc_post(S: mx.array, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols) -> None:
-    if S.ndim != 3:
-        raise ValueError(f"hc_post: S must be [T, n_hc, E], got shape {tuple(S.shape)}")
-    T, n, E = S.shape
-    _check_f32("hc_post: S", S, (T, n, E))
+def _check_hc_post(
+    S: mx.array | Cols, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, n_hc: int | None
+) -> tuple[mx.array, int, int, int]:
+    """Checks HC post's operands -> ``(S as an array, T, n_hc, E)`` (see :func:`_streams`)."""
+    if isinstance(S, Cols) and n_hc is None:
+        raise ValueError("hc_post: a state given as Cols needs n_hc")
+    n = n_hc if n_hc is not None else (S.shape[1] if S.ndim == 3 else 0)
+    S, T, E = _streams("hc_post: S", S, n, y.shape[-1])
     _check_f32("hc_post: y", y, (T, E))
     if isinstance(post, Cols) or isinstance(comb, Cols):
         if T != 1 or not (isinstance(post, Cols) and isinstance(comb, Cols)):
             raise ValueError("hc_post: post and comb as Cols are one token's, both Cols")
         _row_in_place("hc_post: post", post, n)
         _row_in_place("hc_post: comb", comb, n * n)
-        return
-    _check_f32("hc_post: post", post, (T, n))
-    _check_f32("hc_post: comb", comb, (T, n, n))
+    else:
+        _check_f32("hc_post: post", post, (T, n))
+        _check_f32("hc_post: comb", comb, (T, n, n))
+    return S, T, n, E
 
 
 # --- compressor window ------------------------------------------------------------------------------------
@@ -925,11 +952,15 @@ def _zeros(n: int) -> mx.array:
 
 
 def moe_route(
-    logits: mx.array, bias: mx.array | None, k: int, scale: float, norm: bool, *, backend: str | None = None
-) -> tuple[mx.array, mx.array]:
+    logits: mx.array, bias: mx.array | None, k: int, scale: float, norm: bool, *, packed: bool = False,
+    backend: str | None = None,
+) -> tuple[mx.array, mx.array | None]:  # fmt: skip
     """Top-k router (MODEL.md §4.8) of ``logits [T, n_expert]`` (ffn_gate_inp output) -> expert ids int32
     ``[T, k]`` by descending ``prob + bias`` (ties to the lower id) and their weights ``[T, k]``: the unbiased
-    probs, normalized if ``norm``, times ``scale``; same results as :func:`ds4_mlx.model.moe.route_top_k`."""
+    probs, normalized if ``norm``, times ``scale``; same results as :func:`ds4_mlx.model.moe.route_top_k`.
+    ``packed``: where the kernel runs, ``(route, None)`` instead: its one int32 output ``[T, 2k]``, each row the ids
+    then the weights' f32 bits, which :func:`experts_with_shared` reads as it is (:func:`unpack_route` splits it);
+    the pure-MLX path still returns the two arrays."""
     from ds4_mlx.model.moe import route_top_k
 
     b = _pick(backend)
@@ -944,14 +975,21 @@ def moe_route(
     if b == "fallback" or k > 32 or NE > 1024 or T == 0:
         return route_top_k(logits, bias, k, scale, norm)
     threads = -(-NE // 32) * 32
-    return tuple(get_fused_kernel("moe_route", b)(
+    (route,) = get_fused_kernel("moe_route", b)(
         inputs=[logits, _zeros(NE) if bias is None else bias, _f32(float(scale))],
         template=[("NE", NE), ("K", k), ("NORM", int(norm))],
         grid=(T * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(T, k), (T, k)],
-        output_dtypes=[mx.int32, mx.float32],
-    ))  # fmt: skip
+        output_shapes=[(T, 2 * k)],
+        output_dtypes=[mx.int32],
+    )
+    return (route, None) if packed else unpack_route(route)
+
+
+def unpack_route(route: mx.array) -> tuple[mx.array, mx.array]:
+    """:func:`moe_route`'s packed ``[T, 2k]`` -> ``(ids [T, k] int32, weights [T, k] f32)``."""
+    k = route.shape[1] // 2
+    return route[:, :k], route[:, k:].view(mx.float32)
 
 
 # --- indexer query heads ----------------------------------------------------------------------------------
@@ -1041,7 +1079,7 @@ def takes_quantized_x(*weights: Any) -> bool:
 
 def experts_with_shared(
     gate: Any, up: Any, down: Any, shared_gate_up: Any, shared_down: Any, x: mx.array | Cols, ids: mx.array,
-    route_w: mx.array, clamp: float, *, xq: mx.array | Cols | None = None, backend: str | None = None,
+    route_w: mx.array | None, clamp: float, *, xq: mx.array | Cols | None = None, backend: str | None = None,
 ) -> mx.array | None:  # fmt: skip
     """The whole expert part of the MoE (MODEL.md §4.8) in two matvec launches for decode-sized T on the GPU:
     ``sum_j down[ids_j] (route_w_j · swiglu(gate[ids_j] x, up[ids_j] x)) + shared_down · swiglu(shared x)``
@@ -1049,22 +1087,24 @@ def experts_with_shared(
     own. ``shared_gate_up`` is its gate rows then its up rows. ``xq``: x quantized (:func:`hc_post_pre`), which
     the gate+up launch reads instead of x where its weight types allow (``MV_XQ_TYPES``): integer dots, as
     ds4-CUDA does (QUANTS.md §2.4). ``x`` and ``xq`` may be one token's :class:`Cols` of HC pre's output row
-    (:func:`hc_post_pre` ``cols``). None where the kernels do not apply (the caller runs :func:`expert_swiglu`
-    and :func:`expert_down_sum` then)."""
+    (:func:`hc_post_pre` ``cols``). ``ids [T, k]`` with ``route_w [T, k]``, or :func:`moe_route`'s packed
+    ``[T, 2k]`` with ``route_w`` None. None where the kernels do not apply (the caller runs
+    :func:`expert_swiglu` and :func:`expert_down_sum` then)."""
     b, T = _pick(backend), 1 if isinstance(x, Cols) else x.shape[0]
     F, E = gate.shape[-2:]
     if not (_mv_ok(b, T, gate, down, shared_gate_up, shared_down) and gate.qtype == up.qtype
             and gate.qtype in MV_SWIGLU_TYPES and shared_gate_up.shape == (2 * F, E)
             and shared_down.shape == (E, F) and shared_down.qtype == shared_gate_up.qtype):  # fmt: skip
         return None
-    k = ids.shape[1]
+    packed = route_w is None
+    k = ids.shape[1] // 2 if packed else ids.shape[1]
     use_xq = xq is not None and takes_quantized_x(gate, up, shared_gate_up)
     x2 = xq if use_xq else x  # mv reads Cols in place
     if not isinstance(x2, Cols) and x2.dtype != mx.float32:
         x2 = x2.astype(mx.float32)
     mid = mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
-             shared=shared_gate_up, xq=use_xq)  # [T·k + T, F]: the routed rows, then the shared
-    return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down)
+             shared=shared_gate_up, xq=use_xq, route_packed=packed)  # [T·k + T, F]: the routed rows, then the shared
+    return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down, route_packed=packed)
 
 
 # --- the next token ---------------------------------------------------------------------------------------

@@ -427,18 +427,26 @@ def test_hc_pre_cols_feed_the_decode_kernels():
                             backend=BACKEND)  # fmt: skip
     S1, n, p, c, nq = got
     assert all(isinstance(v, kernels.Cols) and v.a is n.a for v in (n, p, c) + ((nq,) if quantize else ()))
+    # the new state: columns 0.. of the mix launch's one output row, the partials after it
+    assert isinstance(S1, kernels.Cols) and S1.start == 0 and S1.a.shape[1] > 4 * E
     eq = np.testing.assert_array_equal
-    eq(np.array(S1), np.array(arrs[0]))
+    eq(np.array(kernels.cols(S1, 4 * E)).reshape(T, 4, E), np.array(arrs[0]))
     for v, a, w in ((n, arrs[1], E), (p, arrs[2], 4), (c, arrs[3], 16)) + (((nq, arrs[4], 5 * E // 8),) * quantize):
         eq(np.array(kernels.cols(v, w)).reshape(a.shape), np.array(a))
     y2 = mx.array(np.random.default_rng(44).standard_normal((T, E)).astype(np.float32))
-    eq(np.array(fused.hc_post(S1, y2, p, c, backend=BACKEND)),
-       np.array(fused.hc_post(S1, y2, *arrs[2:4], backend=BACKEND)))
-    nxt = [fused.hc_post_pre(S1, y2, pp, cc, fn, scale, base, cfg, backend=BACKEND) for pp, cc in ((p, c), arrs[2:4])]
+    eq(np.array(fused.hc_post(S1, y2, p, c, n_hc=4, backend=BACKEND)),
+       np.array(fused.hc_post(arrs[0], y2, *arrs[2:4], backend=BACKEND)))
+    nxt = [fused.hc_post_pre(ss, y2, pp, cc, fn, scale, base, cfg, cols=True, backend=BACKEND)
+           for ss, pp, cc in ((S1, p, c), arrs[0:1] + arrs[2:4])]  # fmt: skip
     for a, b in zip(nxt[0][:4], nxt[1][:4]):
-        eq(np.array(a), np.array(b))
+        eq(np.array(a.a), np.array(b.a))  # the next mix's row (state, partials) and HC pre's row
+    # the next HC pre alone from S1 (the decode step's first sublayer reads a state as Cols too)
+    eq(np.array(fused.hc_pre(S1, fn, scale, base, cfg, norm=nw, backend=BACKEND)[0]),
+       np.array(fused.hc_pre(arrs[0], fn, scale, base, cfg, norm=nw, backend=BACKEND)[0]))
     with pytest.raises(ValueError, match="Cols"):
-        fused.hc_post(S1, y2, p, arrs[3], backend=BACKEND)
+        fused.hc_post(S1, y2, p, arrs[3], n_hc=4, backend=BACKEND)
+    with pytest.raises(ValueError, match="n_hc"):
+        fused.hc_post(S1, y2, p, c, backend=BACKEND)
 
     (w,) = expert_weights(QT.Q8_0, (48, E), 1, seed=45)
     eq(np.array(w.matmul(n)), np.array(w.matmul(arrs[1])))  # the matvec reads n where it is
@@ -953,6 +961,35 @@ def test_moe_route_kernel(T, NE, k, norm, ties):
     sel, w = fused.moe_route(logits, bias, k, 1.5, norm, backend=BACKEND)
     np.testing.assert_array_equal(np.array(sel), np.array(ref_sel))
     close(w, ref_w, 2e-6)
+    route, none = fused.moe_route(logits, bias, k, 1.5, norm, packed=True, backend=BACKEND)  # one output array
+    assert none is None and route.shape == (T, 2 * k) and route.dtype == mx.int32
+    for a, b in zip(fused.unpack_route(route), (sel, w)):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+@needs_gpu
+def test_experts_read_the_packed_route():
+    """The routed experts' two launches read moe_route's packed row (ids, then the weights' bits) as they read
+    the two arrays, bit for bit; the weights in the row are used (doubling them changes the result)."""
+    E, F, NE, k = 256, 256, 8, 6
+    logits, bias = route_inputs(1, NE, False, seed=5)
+    route, _ = fused.moe_route(logits, bias, k, 1.5, True, packed=True, backend=BACKEND)
+    sel, w = fused.unpack_route(route)
+    gate, up = expert_weights(QT.IQ2_XXS, (NE, F, E), 2, seed=51)
+    (down,) = expert_weights(QT.Q2_K, (NE, E, F), 1, seed=52)
+    sgu = QuantWeight.stack_rows(expert_weights(QT.Q8_0, (F, E), 2, seed=53))
+    (sd,) = expert_weights(QT.Q8_0, (E, F), 1, seed=54)
+    x = mx.array(np.random.default_rng(55).standard_normal((1, E)).astype(np.float32))
+
+    def moe(ids, rw):
+        return np.array(fused.experts_with_shared(gate, up, down, sgu, sd, x, ids, rw, 0.02, backend=BACKEND))
+
+    got, want = moe(route, None), moe(sel, w)
+    np.testing.assert_array_equal(got, want)
+    doubled = mx.concatenate([sel, (w * 2).view(mx.int32)], axis=1)
+    assert np.abs(moe(doubled, None) - got).max() > 1e-3 * np.abs(got).max()
+    with pytest.raises(ValueError, match="packed"):
+        kernels.mv(down, x, BACKEND, ids=route, k_slots=k, epi=kernels.MV_SUM, aux=x, route_packed=True)
 
 
 # --- indexer query heads ----------------------------------------------------------------------------------

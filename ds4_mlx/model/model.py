@@ -42,7 +42,7 @@ class Block:
     def __call__(self, S: mx.array, tokens: mx.array, pos: int, cache: LayerCache) -> mx.array:
         """State ``S [T, n_hc, E]`` of tokens at ``pos..pos+T-1`` -> the layer's output state (same shape)."""
         if S.shape[0] == 1:
-            return hc_post(*self.decode((S,), tokens, pos, cache))
+            return hc_post(*self.decode((S,), tokens, pos, cache), n_hc=self.cfg.n_hc)
         n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)  # normed input [T, E]
         S, n, post, comb, _ = hc_post_pre(S, self.attn.forward(n, pos, cache), post, comb, *self.hc_ffn, self.cfg,
                                           norm=self.ffn.ffn_norm)  # fmt: skip
@@ -66,7 +66,8 @@ class Block:
             n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm, cols=True)
         else:
             S, n, post, comb, _ = hc_post_pre(*carry, *self.hc_attn, self.cfg, norm=self.attn.attn_norm, cols=True)
-        # n, post, comb (and nq) are columns of one output row of the HC pre launch (on the kernel backends)
+        # n, post, comb (and nq) are columns of one output row of the HC pre launch, S of the mix launch's (on the
+        # kernel backends)
         y, st = self.attn.decode(n, st, io, key)
         S, n, post, comb, nq = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm,
                                            quantize=self.ffn.quantized_x, cols=True)  # fmt: skip
@@ -138,7 +139,7 @@ class Model:
 
     def decode_head(self, *carry: mx.array) -> mx.array:
         """The last layer's decode ``carry`` (see :meth:`Block.decode`) -> logits ``[1, V]``."""
-        return self.head(hc_post(*carry) if len(carry) == 4 else carry[0])
+        return self.head(hc_post(*carry, n_hc=self.cfg.n_hc) if len(carry) == 4 else carry[0])
 
     def __call__(
         self,

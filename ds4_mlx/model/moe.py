@@ -14,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import cols, expert_down_sum, expert_swiglu, experts_with_shared, moe_route, takes_quantized_x
+from ..kernels.fused import (cols, expert_down_sum, expert_swiglu, experts_with_shared, moe_route, takes_quantized_x,
+                             unpack_route)
 from ..weights import QuantWeight
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
@@ -124,12 +125,13 @@ class MoE:
         self.quantized_x = bool(getattr(numerics, "quantized_x", False)) and takes_quantized_x(
             self.ffn_gate_exps, self.ffn_up_exps, self.ffn_gate_up_shexp)
 
-    def route(self, n: mx.array, tokens: mx.array) -> tuple[mx.array, mx.array]:
-        """Router: normed input ``n [T, E]``, token ids ``[T]`` -> (expert ids int32 [T,k], weights [T,k])."""
+    def route(self, n: mx.array, tokens: mx.array, packed: bool = False) -> tuple[mx.array, mx.array | None]:
+        """Router: normed input ``n [T, E]``, token ids ``[T]`` -> (expert ids int32 [T,k], weights [T,k]).
+        ``packed``: where the fused router runs, its one packed output and None instead (:func:`moe_route`)."""
         cfg, logits = self.cfg, self.ffn_gate_inp.matmul(n)  # [T, n_expert]
         scale, norm = cfg.expert_weights_scale, cfg.expert_weights_norm
         if self.ffn_gate_tid2eid is None:  # fused kernel on the GPU, route_top_k otherwise
-            return moe_route(logits, self.exp_probs_b, cfg.n_expert_used, scale, norm)
+            return moe_route(logits, self.exp_probs_b, cfg.n_expert_used, scale, norm, packed=packed)
         # Hash layers: fixed experts per token id (Metal clamps the id; bias unused).
         tok = mx.clip(tokens.astype(mx.int32), 0, self.ffn_gate_tid2eid.shape[0] - 1)
         sel = self.ffn_gate_tid2eid[tok].astype(mx.int32)  # [T, k]
@@ -158,10 +160,10 @@ class MoE:
         """The sublayer from its normed input ``n [T, E]`` (:meth:`norm`) -> ``y [T, E]``; ``nq``: ``n``
         quantized by HC pre (:attr:`quantized_x`), or None. In the decode step both may be one token's
         :class:`~ds4_mlx.kernels.Cols` of HC pre's output row."""
-        sel, w = self.route(n, tokens)
+        sel, w = self.route(n, tokens, packed=True)  # w None: sel is the router's one packed output
         y = experts_with_shared(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self.ffn_gate_up_shexp,
                                 self.ffn_down_shexp, n, sel, w, self.clamp, xq=nq)  # decode on the GPU: two launches
         if y is None:
             n = cols(n, self.ffn_gate_inp.in_features)
-            y = self.routed(n, sel, w, add=self.shared(n))
+            y = self.routed(n, *((sel, w) if w is not None else unpack_route(sel)), add=self.shared(n))
         return y
