@@ -116,15 +116,15 @@ SPECS = {
     "comp_pool": KernelSpec(
         (("kv", "float"), ("score", "float"), ("norm", "float"), ("rc", "float"), ("rs", "float"), ("fparams", "float"),
          ("kv_row", "float"), ("score_row", "float"), ("ape", "float"), ("at", "int32_t")),
-        ("row", "kv_out", "score_out"),
+        ("row", "fr_out"),
         ("HD", "ROWS", "LANES", "EMIT", "KVO", "SCO", "ROUND", "NOPE", "F16R"),
-        ("half", "float", "float"),  # the compile check's row type: the compressed KV cache's (f32 works too)
+        ("half", "float"),  # the compile check's row type: the compressed KV cache's (f32 works too)
         "rounding.h",
     ),
     "comp_write": KernelSpec(
-        (("kv", "float"), ("score", "float"), ("kv_row", "float"), ("score_row", "float"), ("ape", "float"),
-         ("at", "int32_t"), ("params", "int32_t")),
-        ("kv_out", "score_out"),
+        (("fr", "float"), ("kv_row", "float"), ("score_row", "float"), ("ape", "float"), ("at", "int32_t"),
+         ("params", "int32_t")),
+        ("fr_out",),
         (),
     ),
     "attn_one": KernelSpec(
@@ -559,8 +559,8 @@ def compressor_pool(
         template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 0), ("KVO", 0), ("SCO", 0), *rnd],
         grid=(nw * hd, 1, 1),
         threadgroup=(hd, 1, 1),
-        output_shapes=[(nw, hd), (1,), (1,)],
-        output_dtypes=[row_dtype, mx.float32, mx.float32],
+        output_shapes=[(nw, hd), (1,)],
+        output_dtypes=[row_dtype, mx.float32],
     )[0]
     return finish(row)
 
@@ -605,49 +605,51 @@ def _finish_rows(row: mx.array, rounding: Any, out_dtype: mx.Dtype) -> mx.array:
 
 
 def compressor_emit(
-    kv: mx.array, score: mx.array, kv_row: mx.array, score_row: mx.array, ape: mx.array, at: mx.array,
-    norm: mx.array, C: mx.array, S: mx.array, eps: float, *, lanes: int, neg: float, rounding: Any = None,
-    out_dtype: mx.Dtype = mx.float32, backend: str | None = None,
-) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+    fr: mx.array, kv_row: mx.array, score_row: mx.array, ape: mx.array, at: mx.array, norm: mx.array, C: mx.array,
+    S: mx.array, eps: float, *, lanes: int, neg: float, rounding: Any = None, out_dtype: mx.Dtype = mx.float32,
+    backend: str | None = None,
+) -> tuple[mx.array, mx.array]:  # fmt: skip
     """The decode token that completes a window: :func:`compressor_write` of its row, :func:`compressor_pool`
     of the frontier (``rounding``, ``out_dtype`` as there), then the next frontier (MODEL.md §4.6)
-    -> ``(row [1, hd], kv, score)``.
+    -> ``(row [1, hd], fr)``.
 
+    ``fr [2, rows, lanes*hd]`` is the frontier, kv then score (:class:`ds4_mlx.model.compressor.CompressorState`).
     The next frontier: with ``lanes=2`` (ratio 4) the finished window's rows ``r..2r-1`` become rows ``0..r-1``
     and rows ``r..`` are empty (kv 0, score ``neg``); with ``lanes=1`` it is all empty. On the GPU one launch.
     """
     b = _pick(backend)
-    if kv.ndim != 2 or lanes not in (1, 2) or kv.shape[0] % lanes or kv.shape[1] % lanes:
-        raise ValueError(f"compressor_emit: kv must be [rows, lanes*hd] with lanes 1|2 dividing both, "
-                         f"got {tuple(kv.shape)}, lanes={lanes}")
-    rows, width = kv.shape
+    if fr.ndim != 3 or fr.shape[0] != 2 or lanes not in (1, 2) or fr.shape[1] % lanes or fr.shape[2] % lanes:
+        raise ValueError(f"compressor_emit: the frontier must be [2, rows, lanes*hd] with lanes 1|2 dividing both, "
+                         f"got {tuple(fr.shape)}, lanes={lanes}")
+    _, rows, width = fr.shape
     hd = width // lanes
-    for name, a, shape in (("kv", kv, (rows, width)), ("score", score, (rows, width)), ("ape", ape, (1, width)),
-                           ("norm", norm, (hd,)), ("C", C, (1, hd)), ("S", S, (1, hd))):  # fmt: skip
+    for name, a, shape in (("frontier", fr, (2, rows, width)), ("ape", ape, (1, width)), ("norm", norm, (hd,)),
+                           ("C", C, (1, hd)), ("S", S, (1, hd))):  # fmt: skip
         _check_f32(f"compressor_emit: {name}", a, shape)
     (kv_in, kvo), (sc_in, sco) = (_row_in_place(f"compressor_emit: {n}", a, width)
                                   for n, a in (("kv_row", kv_row), ("score_row", score_row)))  # fmt: skip
     _check_at("compressor_emit", at)
     _check_pool_out("compressor_emit", rounding, out_dtype)
     if b == "fallback" or not _pool_kernel_fits(hd):
-        kv, score = compressor_write(kv, score, kv_row, score_row, ape, at, backend="fallback")
+        new = compressor_write(fr, kv_row, score_row, ape, at, backend="fallback")
+        kv, score = new[0], new[1]
         row = compressor_pool(kv[None], score[None], norm, C, S, eps, lanes=lanes, rounding=rounding,
                               out_dtype=out_dtype, backend="fallback")  # fmt: skip
         empty = (rows // lanes, width)
         empty_kv, empty_sc = mx.zeros(empty, mx.float32), mx.full(empty, neg, mx.float32)
         if lanes == 2:
-            return row, mx.concatenate([kv[rows // 2 :], empty_kv]), mx.concatenate([score[rows // 2 :], empty_sc])
-        return row, empty_kv, empty_sc
+            empty_kv, empty_sc = mx.concatenate([kv[rows // 2 :], empty_kv]), mx.concatenate([score[rows // 2 :], empty_sc])
+        return row, mx.stack([empty_kv, empty_sc])
     rnd, row_dtype, finish = _pool_rounding(rounding, hd, out_dtype)
-    row, kv, score = get_fused_kernel("comp_pool", b)(
-        inputs=[kv, score, norm, C, S, _f32(float(eps), float(neg)), kv_in, sc_in, ape, at],
+    row, fr = get_fused_kernel("comp_pool", b)(
+        inputs=[fr, _dummy(mx.float32), norm, C, S, _f32(float(eps), float(neg)), kv_in, sc_in, ape, at],
         template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1), ("KVO", kvo), ("SCO", sco), *rnd],
         grid=(hd, 1, 1),
         threadgroup=(hd, 1, 1),
-        output_shapes=[(1, hd), (rows, width), (rows, width)],
-        output_dtypes=[row_dtype, mx.float32, mx.float32],
+        output_shapes=[(1, hd), (2, rows, width)],
+        output_dtypes=[row_dtype, mx.float32],
     )
-    return finish(row), kv, score
+    return finish(row), fr
 
 
 #: Threads per threadgroup of the compressor frontier write.
@@ -655,32 +657,30 @@ COMP_WRITE_THREADS = 256
 
 
 def compressor_write(
-    kv: mx.array, score: mx.array, kv_row: mx.array, score_row: mx.array, ape: mx.array, at: mx.array,
-    *, backend: str | None = None,
-) -> tuple[mx.array, mx.array]:  # fmt: skip
-    """One decode token into its compressor frontier (MODEL.md §4.6): ``kv[at] = kv_row``,
-    ``score[at] = score_row + ape`` -> the new ``(kv, score)`` ``[R, W]``. ``kv_row``, ``score_row`` (each
+    fr: mx.array, kv_row: mx.array, score_row: mx.array, ape: mx.array, at: mx.array, *, backend: str | None = None
+) -> mx.array:
+    """One decode token into its compressor frontier ``fr [2, R, W]`` (kv, then score; MODEL.md §4.6):
+    ``kv[at] = kv_row``, ``score[at] = score_row + ape`` -> the new frontier. ``kv_row``, ``score_row`` (each
     ``[1, W]`` or :class:`Cols`) and ``ape`` ``[1, W]`` are f32, ``at`` int32 ``[1]`` (the frontier row)."""
     b = _pick(backend)
-    if kv.ndim != 2:
-        raise ValueError(f"compressor_write: kv must be [R, W], got shape {tuple(kv.shape)}")
-    R, W = kv.shape
-    _check_f32("compressor_write: kv", kv, (R, W))
-    _check_f32("compressor_write: score", score, (R, W))
+    if fr.ndim != 3 or fr.shape[0] != 2:
+        raise ValueError(f"compressor_write: the frontier must be [2, R, W], got shape {tuple(fr.shape)}")
+    _, R, W = fr.shape
+    _check_f32("compressor_write: frontier", fr, (2, R, W))
     _check_f32("compressor_write: ape", ape, (1, W))
     (kv_in, kvo), (sc_in, sco) = (_row_in_place(f"compressor_write: {n}", a, W)
                                   for n, a in (("kv_row", kv_row), ("score_row", score_row)))  # fmt: skip
     _check_at("compressor_write", at)
     if b == "fallback":
-        return (mx.slice_update(kv, cols(kv_row, W), at, axes=(0,)),
-                mx.slice_update(score, cols(score_row, W) + ape, at, axes=(0,)))  # fmt: skip
-    return tuple(get_fused_kernel("comp_write", b)(
-        inputs=[kv, score, kv_in, sc_in, ape, at, _params(R, W, kvo, sco)],
+        return mx.stack([mx.slice_update(fr[0], cols(kv_row, W), at, axes=(0,)),
+                         mx.slice_update(fr[1], cols(score_row, W) + ape, at, axes=(0,))])  # fmt: skip
+    return get_fused_kernel("comp_write", b)(
+        inputs=[fr, kv_in, sc_in, ape, at, _params(R, W, kvo, sco)],
         grid=(R * W, 1, 1),
         threadgroup=(COMP_WRITE_THREADS, 1, 1),
-        output_shapes=[(R, W), (R, W)],
-        output_dtypes=[mx.float32, mx.float32],
-    ))  # fmt: skip
+        output_shapes=[(2, R, W)],
+        output_dtypes=[mx.float32],
+    )[0]
 
 
 # --- one-token attention ----------------------------------------------------------------------------------

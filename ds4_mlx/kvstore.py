@@ -202,11 +202,11 @@ def snapshot_from_payload(model, data: bytes | memoryview, *, ctx: int = DEFAULT
         if ratio:
             c.comp = mx.array(comp).astype(kv_dtype) if len(comp) else mx.zeros((0, D), mx.float32)
             c.n_comp = len(comp)
-            c.comp_state = CompressorState(mx.array(state[0]), mx.array(state[1]))
+            c.comp_state = CompressorState.of(mx.array(state[0]), mx.array(state[1]))
         if index is not None:
             c.index = mx.array(index) if len(index) else mx.zeros((0, ID), mx.float32)
             c.n_index = len(index)
-            c.index_state = CompressorState(mx.array(istate[0]), mx.array(istate[1]))
+            c.index_state = CompressorState.of(mx.array(istate[0]), mx.array(istate[1]))
         caches.append(c)
     mx.eval([mx.array(logits)] + [c.raw for c in caches])
     return SessionSnapshot(tuple(int(t) for t in tokens), mx.array(logits), tuple(caches)), f_chunk

@@ -107,7 +107,7 @@ def test_metal_instantiations_typecheck(tmp_path):
     assert "const constant float* scale" in sources["hc_pre_NHC4_NITER20_TPB4_SPLIT0_NORM0"]
     assert "device float* out" in sources["hc_pre_NHC4_NITER20_TPB1_SPLIT1_NORM1"]  # x, post, comb: one row
     assert "device float* out" in sources["hc_pre_xq_NHC4_NITER20_TPB1_SPLIT1_NORM1"]
-    assert "device float* part" in sources["hc_mix_NHC4_POST1"]
+    assert "device float* out" in sources["hc_mix_NHC4_POST1"]  # the new state and the partials: one array
     r = gxx_metal_check(sources.values(), tmp_path, "fused_metal")
     assert r.returncode == 0, r.stderr[-6000:]
 
@@ -483,6 +483,11 @@ def comp_write_inputs(R: int, W: int, at: int, seed: int = 0):
     return kv, score, rows, ape, mx.array([at], dtype=mx.int32)
 
 
+def frontier(kv, score) -> mx.array:
+    """A compressor frontier as the kernels take it (``CompressorState.fr``): ``[2, R, W]``, kv then score."""
+    return mx.stack([mx.array(kv), mx.array(score)])
+
+
 def comp_write_numpy(kv, score, rows, ape, at):
     kv, score = kv.copy(), score.copy()
     kv[at], score[at] = rows[0][0], rows[1][0] + np.array(ape)[0]
@@ -492,18 +497,18 @@ def comp_write_numpy(kv, score, rows, ape, at):
 @pytest.mark.parametrize("R,W,at", [(8, 1024, 5), (128, 512, 127), (8, 256, 0)])
 def test_comp_write_fallback_vs_numpy(R, W, at):
     kv, score, rows, ape, at_a = comp_write_inputs(R, W, at, seed=R + at)
-    got = on_cpu(fused.compressor_write, mx.array(kv), mx.array(score), *map(mx.array, rows), ape, at_a)
+    got = on_cpu(fused.compressor_write, frontier(kv, score), *map(mx.array, rows), ape, at_a)
     for g, r in zip(got, comp_write_numpy(kv, score, rows, ape, at)):
         np.testing.assert_array_equal(np.array(g), r)
 
 
 def test_comp_write_validation():
     kv, score, rows, ape, at = comp_write_inputs(8, 256, 1)
-    args = [mx.array(kv), mx.array(score), *map(mx.array, rows), ape]
-    with pytest.raises(ValueError, match="kv must be"):
-        fused.compressor_write(mx.array(kv)[None], *args[1:], at)
+    args = [frontier(kv, score), *map(mx.array, rows), ape]
+    with pytest.raises(ValueError, match="frontier must be"):
+        fused.compressor_write(mx.array(kv), *args[1:], at)
     with pytest.raises(ValueError, match="score_row"):
-        fused.compressor_write(*args[:3], mx.zeros((1, 128)), ape, at)
+        fused.compressor_write(*args[:2], mx.zeros((1, 128)), ape, at)
     with pytest.raises(ValueError, match="at must be"):
         fused.compressor_write(*args, mx.array([1, 2], dtype=mx.int32))
 
@@ -512,7 +517,7 @@ def test_comp_write_validation():
 @pytest.mark.parametrize("R,W,at", [(8, 1024, 5), (128, 512, 127), (8, 256, 0), (128, 1024, 64)])
 def test_comp_write_kernel(R, W, at):
     kv, score, rows, ape, at_a = comp_write_inputs(R, W, at, seed=R + at)
-    got = fused.compressor_write(mx.array(kv), mx.array(score), *map(mx.array, rows), ape, at_a, backend=BACKEND)
+    got = fused.compressor_write(frontier(kv, score), *map(mx.array, rows), ape, at_a, backend=BACKEND)
     for g, r in zip(got, comp_write_numpy(kv, score, rows, ape, at)):
         np.testing.assert_array_equal(np.array(g), r)
 
@@ -558,25 +563,26 @@ def emit_numpy(kv, sc, rows, ape, at, norm, rope, starts, ratio):
 @pytest.mark.parametrize("ratio,hd,at", [(4, 128, 7), (16, 64, 15), (128, 64, 127)])
 def test_emit_fallback_vs_numpy(ratio, hd, at):
     kv, sc, rows, ape, at_a, norm, C, S, rope, starts = emit_inputs(ratio, hd, at, seed=ratio + hd)
-    got = on_cpu(fused.compressor_emit, kv, sc, *rows, ape, at_a, norm, C, S, 1e-6, lanes=2 if ratio == 4 else 1,
-                 neg=NEG, backend="fallback")  # fmt: skip
+    got = on_cpu(fused.compressor_emit, frontier(kv, sc), *rows, ape, at_a, norm, C, S, 1e-6,
+                 lanes=2 if ratio == 4 else 1, neg=NEG, backend="fallback")  # fmt: skip
     ref = emit_numpy(kv, sc, rows, ape, at, norm, rope, starts, ratio)
     close(got[0], ref[0], 2e-5)
-    for g, r in zip(got[1:], ref[1:]):
+    for g, r in zip(got[1], ref[1:]):
         np.testing.assert_array_equal(np.array(g), r)
 
 
 def test_emit_validation():
     kv, sc, rows, ape, at_a, norm, C, S, *_ = emit_inputs(4, 128, 7, seed=1)
+    fr = frontier(kv, sc)
     with pytest.raises(ValueError, match="lanes"):
-        fused.compressor_emit(kv, sc, *rows, ape, at_a, norm, C, S, 1e-6, lanes=3, neg=NEG, backend="cuda")
-    with pytest.raises(ValueError, match="kv must be"):
-        fused.compressor_emit(kv[None], sc, *rows, ape, at_a, norm, C, S, 1e-6, lanes=2, neg=NEG, backend="cuda")
+        fused.compressor_emit(fr, *rows, ape, at_a, norm, C, S, 1e-6, lanes=3, neg=NEG, backend="cuda")
+    with pytest.raises(ValueError, match="frontier must be"):
+        fused.compressor_emit(mx.array(kv), *rows, ape, at_a, norm, C, S, 1e-6, lanes=2, neg=NEG, backend="cuda")
     with pytest.raises(ValueError, match="score_row"):
-        fused.compressor_emit(kv, sc, rows[0], rows[1][:, :8], ape, at_a, norm, C, S, 1e-6, lanes=2, neg=NEG,
+        fused.compressor_emit(fr, rows[0], rows[1][:, :8], ape, at_a, norm, C, S, 1e-6, lanes=2, neg=NEG,
                               backend="cuda")  # fmt: skip
     with pytest.raises(ValueError, match="at must be"):
-        fused.compressor_emit(kv, sc, *rows, ape, mx.array([1, 2], dtype=mx.int32), norm, C, S, 1e-6, lanes=2,
+        fused.compressor_emit(fr, *rows, ape, mx.array([1, 2], dtype=mx.int32), norm, C, S, 1e-6, lanes=2,
                               neg=NEG, backend="cuda")  # fmt: skip
 
 
@@ -585,10 +591,12 @@ def test_emit_validation():
 def test_emit_kernel(ratio, hd, at):
     kv, sc, rows, ape, at_a, norm, C, S, rope, starts = emit_inputs(ratio, hd, at, seed=ratio + hd + at)
     lanes = 2 if ratio == 4 else 1
-    got = fused.compressor_emit(kv, sc, *rows, ape, at_a, norm, C, S, 1e-6, lanes=lanes, neg=NEG, backend=BACKEND)
+    got = fused.compressor_emit(frontier(kv, sc), *rows, ape, at_a, norm, C, S, 1e-6, lanes=lanes, neg=NEG,
+                                backend=BACKEND)  # fmt: skip
     ref = emit_numpy(kv, sc, rows, ape, at, norm, rope, starts, ratio)
     close(got[0], ref[0], 2e-5)
-    for g, r in zip(got[1:], ref[1:]):  # copies: exact
+    assert got[1].shape == (2, *kv.shape)
+    for g, r in zip(got[1], ref[1:]):  # copies: exact
         np.testing.assert_array_equal(np.array(g), r)
 
 
@@ -612,7 +620,7 @@ def test_pool_rounding_kernel(name, emit):
         kv, sc, rows, ape, at_a, norm, C, S, _, _ = emit_inputs(4, hd, 7, seed=hd + 1)
 
         def run(**kw):
-            return fused.compressor_emit(kv, sc, *rows, ape, at_a, norm, C, S, 1e-6, lanes=2, neg=NEG,
+            return fused.compressor_emit(frontier(kv, sc), *rows, ape, at_a, norm, C, S, 1e-6, lanes=2, neg=NEG,
                                          backend=BACKEND, **kw)[0]  # fmt: skip
     else:
         kv, sc, norm, C, S, _, _ = pool_inputs(3, 4, hd, seed=hd)
@@ -1225,14 +1233,15 @@ def test_comp_write_and_emit_read_cols(b):
     kv, sc, rows, ape, at_a, norm, C, S, *_ = emit_inputs(4, 128, 6, seed=11)
     _, cols = in_row(rows, seed=11)
     pool = dict(norm=norm, C=C, S=S, eps=1e-6, lanes=2, neg=NEG, backend=b)
-    for got, want in ((fused.compressor_write(kv, sc, *cols, ape, at_a, backend=b),
-                       fused.compressor_write(kv, sc, *rows, ape, at_a, backend=b)),
-                      (fused.compressor_emit(kv, sc, *cols, ape, at_a, **pool),
-                       fused.compressor_emit(kv, sc, *rows, ape, at_a, **pool))):  # fmt: skip
+    fr = frontier(kv, sc)
+    for got, want in (((fused.compressor_write(fr, *cols, ape, at_a, backend=b),),
+                       (fused.compressor_write(fr, *rows, ape, at_a, backend=b),)),
+                      (fused.compressor_emit(fr, *cols, ape, at_a, **pool),
+                       fused.compressor_emit(fr, *rows, ape, at_a, **pool))):  # fmt: skip
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.array(g), np.array(w))
     with pytest.raises(ValueError, match="kv_row: columns"):
-        fused.compressor_write(kv, sc, fused.Cols(cols[0].a, cols[0].a.shape[1] - 8), cols[1], ape, at_a, backend=b)
+        fused.compressor_write(fr, fused.Cols(cols[0].a, cols[0].a.shape[1] - 8), cols[1], ape, at_a, backend=b)
 
 
 @pytest.mark.parametrize("b", ["fallback", BACKEND])

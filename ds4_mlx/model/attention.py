@@ -71,19 +71,19 @@ class LayerCache:
         """The arrays a one-token step reads and replaces (see :meth:`Attention.decode`)."""
         st = {"raw": self.raw}
         if self.comp is not None:
-            st.update(comp=self.comp, ckv=self.comp_state.kv, csc=self.comp_state.score)
+            st.update(comp=self.comp, cfr=self.comp_state.fr)
         if self.index is not None:
-            st.update(index=self.index, ikv=self.index_state.kv, isc=self.index_state.score)
+            st.update(index=self.index, ifr=self.index_state.fr)
         return st
 
     def take_decode_state(self, st: dict[str, mx.array], key: "DecodeKey") -> None:
         """Adopt the arrays of a finished one-token step; one more token, one more row if a window completed."""
         self.raw, self.pos = st["raw"], self.pos + 1
         if self.comp is not None:
-            self.comp, self.comp_state = st["comp"], CompressorState(st["ckv"], st["csc"])
+            self.comp, self.comp_state = st["comp"], CompressorState(st["cfr"])
             self.n_comp += key.complete
         if self.index is not None:
-            self.index, self.index_state = st["index"], CompressorState(st["ikv"], st["isc"])
+            self.index, self.index_state = st["index"], CompressorState(st["ifr"])
             self.n_index += key.complete
 
     def snapshot(self) -> "LayerCache":
@@ -358,12 +358,12 @@ class Attention:
         elif r:
             comp_proj = self.compressor.project_one(n)
         if r:
-            row, st["ckv"], st["csc"] = self.compressor.decode(comp_proj, st["ckv"], st["csc"], io["comp"], key.complete)
+            row, st["cfr"] = self.compressor.decode(comp_proj, st["cfr"], io["comp"], key.complete)
             if row is not None:
                 st["comp"] = mx.slice_update(st["comp"], row.astype(st["comp"].dtype), io["slot"], axes=(0,))
         if self.indexer is not None:
             ic = self.indexer.compressor
-            row, st["ikv"], st["isc"] = ic.decode(index_proj, st["ikv"], st["isc"], io["index"], key.complete)
+            row, st["ifr"] = ic.decode(index_proj, st["ifr"], io["index"], key.complete)
             if row is not None:
                 st["index"] = mx.slice_update(st["index"], row, io["slot"], axes=(0,))
 

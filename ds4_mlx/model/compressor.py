@@ -41,20 +41,33 @@ NEG = -1.0e30  # ds4's "minus infinity" for scores
 
 @dataclass(frozen=True)
 class CompressorState:
-    """The f32 frontier of one compressor (never rounded)."""
+    """The f32 frontier of one compressor (never rounded): its kv and score rows, ``[coff*r, coff*hd]`` each,
+    as one array ``fr [2, coff*r, coff*hd]``, which the decode kernels read and write whole (one output array
+    a launch instead of two)."""
 
-    kv: mx.array  # [coff*r, coff*hd]
-    score: mx.array  # [coff*r, coff*hd]
+    fr: mx.array
+
+    @classmethod
+    def of(cls, kv: mx.array, score: mx.array) -> "CompressorState":
+        return cls(mx.stack([kv, score]))
 
     @classmethod
     def init(cls, ratio: int, hd: int) -> "CompressorState":
         coff = 2 if ratio == 4 else 1
         shape = (coff * ratio, coff * hd)
-        return cls(mx.zeros(shape, mx.float32), mx.full(shape, NEG, mx.float32))
+        return cls.of(mx.zeros(shape, mx.float32), mx.full(shape, NEG, mx.float32))
+
+    @property
+    def kv(self) -> mx.array:
+        return self.fr[0]
+
+    @property
+    def score(self) -> mx.array:
+        return self.fr[1]
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes + self.score.nbytes
+        return self.fr.nbytes
 
 
 class Compressor:
@@ -112,8 +125,8 @@ class Compressor:
         T = n.shape[0]
         if T == 1:
             io = self.decode_inputs(pos)
-            row, kv, sc = self.decode(self.project_one(n), state.kv, state.score, io, complete=(pos + 1) % r == 0)
-            return row, CompressorState(kv, sc)
+            row, fr = self.decode(self.project_one(n), state.fr, io, complete=(pos + 1) % r == 0)
+            return row, CompressorState(fr)
         kv_cur, sc_cur = self.project(n)  # [T, w] each
         sc_cur = sc_cur + self._ape_rows(pos, T)
 
@@ -146,7 +159,7 @@ class Compressor:
             prev_sc = win_sc[-1] if nw else state.score[:r]
             cur_kv = mx.concatenate([prev_kv, cur_kv])
             cur_sc = mx.concatenate([prev_sc, cur_sc])
-        return rows, CompressorState(cur_kv, cur_sc)
+        return rows, CompressorState.of(cur_kv, cur_sc)
 
     def decode_inputs(self, pos: int) -> dict[str, mx.array]:
         """Host-side arrays of the decode step at ``pos`` (so :meth:`decode` never sees ``pos`` itself).
@@ -159,21 +172,21 @@ class Compressor:
         return {"at": index_array(k + (r if self.coff == 2 else 0)), "ape": self._ape_row[k], "C": C, "S": S}
 
     def decode(
-        self, proj: tuple[mx.array | Cols, mx.array | Cols], kv: mx.array, score: mx.array, io: dict[str, mx.array],
-        complete: bool,
-    ) -> tuple[mx.array | None, mx.array, mx.array]:
+        self, proj: tuple[mx.array | Cols, mx.array | Cols], fr: mx.array, io: dict[str, mx.array], complete: bool
+    ) -> tuple[mx.array | None, mx.array]:
         """One token, given as its projections ``proj = (kv, gate)``, ``[1, w]`` each or :class:`Cols`
         (:meth:`project_one`): write it into its frontier row; pool when it ``complete``s a window.
 
-        A pure function of arrays (``io`` from :meth:`decode_inputs`), so a decode step can be compiled; same
-        math as the chunked path. Returns ``(row [1, hd] or None, new kv, new score)``.
+        A pure function of arrays (the frontier ``fr``, :attr:`CompressorState.fr`, and ``io`` from
+        :meth:`decode_inputs`), so a decode step can be compiled; same math as the chunked path. Returns
+        ``(row [1, hd] or None, new frontier)``.
         """
         kv_row, score_row = proj
         if not complete:
-            return (None, *compressor_write(kv, score, kv_row, score_row, io["ape"], io["at"]))  # [coff*r, w] each
+            return None, compressor_write(fr, kv_row, score_row, io["ape"], io["at"])  # [2, coff*r, w]
         # Write, pool the frontier (one window's entries), and the next frontier: the finished window becomes
         # "previous" (ratio 4) and the new current one is empty.
-        return compressor_emit(kv, score, kv_row, score_row, io["ape"], io["at"], self.norm, io["C"], io["S"],
+        return compressor_emit(fr, kv_row, score_row, io["ape"], io["at"], self.norm, io["C"], io["S"],
                                self.eps, lanes=self.coff, neg=NEG, rounding=self.rounding,
                                out_dtype=self.out_dtype)  # fmt: skip
 
