@@ -1,0 +1,119 @@
+"""Two versions of the package in one process, their decode loops timed round by round.
+
+    python benchmarks/host_ab.py OTHER [--shape narrow] [--rounds 8] [--decode 48] [--json F]
+
+``OTHER`` is a folder with another version's ``ds4_mlx/`` and ``custom_kernels/`` (e.g. ``git archive REV
+ds4_mlx custom_kernels | tar -x -C OTHER``). A copy of it is imported as ``ds4_mlx_ab``, every ``ds4_mlx`` in its
+Python text renamed, so both versions build their own model and session in this process and run the package's
+generation loop (``generate.decode_tokens`` at its defaults) in turns: this tree then the other in even rounds,
+the other first in odd ones, each continuing its own generation onward.
+
+Why one process: on the H200 the host's speed differs from process to process of the same tree by up to ~3 ms
+a token (benchmarks/RESULTS.md, twenty-fourth session), more than most host changes are worth. Alternating in
+one process cancels that, and the drift within a call. The ``narrow`` shape (the full 43-layer pattern at the
+tiny widths) gives the host a full step's work and the device almost none, so it compares host costs only.
+
+Reported: each round's ms/token per version, the mean of each, and the paired ratios (this / other) of the
+rounds, with how many favour this tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graph_cost import narrow_config  # noqa: E402
+
+import ds4_mlx  # noqa: E402,F401  (this tree, imported before the other's copy)
+
+OTHER_NAME = "ds4_mlx_ab"
+
+
+def import_other(tree: Path, into: Path) -> str:
+    """Copy ``tree``'s ``ds4_mlx`` and ``custom_kernels`` into ``into`` with the package renamed
+    (:data:`OTHER_NAME`) and put ``into`` on the import path -> the package name."""
+    for folder, name in (("ds4_mlx", OTHER_NAME), ("custom_kernels", "custom_kernels")):
+        if not (tree / folder).is_dir():
+            raise SystemExit(f"{tree} has no {folder}/ folder")
+        shutil.copytree(tree / folder, into / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for py in into.rglob("*.py"):
+        py.write_text(re.sub(r"\bds4_mlx\b", OTHER_NAME, py.read_text()))
+    sys.path.insert(0, str(into))
+    return OTHER_NAME
+
+
+def version(pkg: str, cfg, prefill: int, seed: int = 0) -> SimpleNamespace:
+    """One version's model and session at ``cfg`` (given as this tree's config), prefilled and warmed."""
+    mod = {m: importlib.import_module(f"{pkg}.{m}") for m in ("config", "generate", "random_model", "sampling",
+                                                             "session")}  # fmt: skip
+    model_mod = importlib.import_module(f"{pkg}.model.model")
+    cfg = mod["config"].ModelConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
+    model = model_mod.Model(cfg, mod["random_model"].random_weights(cfg, "q2", seed))
+    prompt = [0] + np.random.default_rng(seed).integers(2, cfg.n_vocab, prefill - 1).tolist()
+    sess = mod["session"].Session(model)
+    sess.prefill(prompt)
+    v = SimpleNamespace(name=pkg, sess=sess, mod=mod, ms=[])
+    run(v, max(cfg.compress_ratios) + 1)  # warm-up: every kind of step, JIT included
+    return v
+
+
+def run(v: SimpleNamespace, n: int) -> float:
+    """ms/token of ``n`` onward steps through the version's own generation loop."""
+    sampler = v.mod["sampling"].Sampler(v.mod["sampling"].DEFAULT_PARAMS, seed=0)
+    t0 = time.perf_counter()
+    for _ in v.mod["generate"].decode_tokens(v.sess, sampler, n + 1):  # n + 1 ids, n steps
+        pass
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("other", type=Path, help="folder with the other version's ds4_mlx/ and custom_kernels/")
+    ap.add_argument("--shape", choices=("narrow", "tiny", "full"), default="narrow")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--prefill", type=int, default=1024)
+    ap.add_argument("--decode", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=None, help="start no round after this long (set-up excluded)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from ds4_mlx.random_model import shape_config
+
+    cfg = narrow_config(args.layers or 43) if args.shape == "narrow" else shape_config(args.shape, args.layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        this = version("ds4_mlx", cfg, args.prefill)
+        other = version(import_other(args.other, Path(tmp)), cfg, args.prefill)
+        t_start = time.perf_counter()
+        for rnd in range(args.rounds):
+            if args.seconds and time.perf_counter() - t_start > args.seconds:
+                break
+            for v in (this, other) if rnd % 2 == 0 else (other, this):
+                v.ms.append(round(run(v, args.decode), 3))
+            print(f"round {rnd}: this {this.ms[-1]:7.2f}  other {other.ms[-1]:7.2f} ms/token", flush=True)
+    ratios = [a / b for a, b in zip(this.ms, other.ms)]
+    res = {"this": this.ms, "other": other.ms, "this_mean": float(np.mean(this.ms)),
+           "other_mean": float(np.mean(other.ms)), "ratios": [round(r, 4) for r in ratios],
+           "median_ratio": float(np.median(ratios)), "rounds_this_faster": sum(r < 1 for r in ratios)}  # fmt: skip
+    print(f"this {res['this_mean']:.2f} ms/token, other {res['other_mean']:.2f}; median ratio "
+          f"{res['median_ratio']:.3f}, this faster in {res['rounds_this_faster']} of {len(ratios)} rounds")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
