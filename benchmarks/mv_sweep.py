@@ -9,8 +9,9 @@
     python benchmarks/mv_sweep.py --occupancy occ.csv labels.json
 
 The launches are the full-shape decode step's (one token): q_b and q_a+kv with the RMSNorm prologue, out_b,
-the grouped out_a, the ratio-4 layers' stacked F16 projections and the indexer's q_b, and the routed experts'
-two launches with and without the shared expert inside (``mv`` ``shared``). Each config of each launch runs
+the grouped out_a, the ratio-4 layers' stacked F16 projections, the ratio-128 compressor's and the indexer's q_b,
+the router (256 rows: a few threadgroups, so pure latency) and the routed experts' two launches with and without
+the shared expert inside (``mv`` ``shared``). Each config of each launch runs
 twice unmeasured (JIT, caches), then three times; ``--summarize`` takes the median of the three per config and
 prints the fastest configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``). Configs
 whose staged rows would not fit CUDA's 48 KB of static shared memory are skipped. ``BUDGET`` (seconds, default
@@ -32,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv rms", "out_b", "out_a g8",
-            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "down+sh xq"]
+            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "down+sh xq", "router f16", "f16 r128 comp"]
 
 
 def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
@@ -71,6 +72,7 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
 
     qb, qakv, outb = weight("Q8_0", (32768, 1024)), weight("Q8_0", (1536, 4096)), weight("Q8_0", (4096, 8192))
     outa, f16r4, iqb = weight("Q8_0", (8, 1024, 4096)), weight("F16", (2112, 4096)), weight("F16", (8192, 1024))
+    router, f16r128 = weight("F16", (256, 4096)), weight("F16", (1024, 4096))
     gate, up = weight("IQ2_XXS", (256, 2048, 4096)), weight("IQ2_XXS", (256, 2048, 4096))
     down, sgu, sd = weight("Q2_K", (256, 4096, 2048)), weight("Q8_0", (4096, 4096)), weight("Q8_0", (4096, 2048))
     x1k, x4k, x8k, x8 = (mx.random.normal(s) for s in ((1, 1024), (1, 4096), (1, 8192), (8, 4096)))
@@ -89,6 +91,8 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
         ("out_a g8", configs("Q8_0", nsgs=(2, 4), ks_max=4), lambda c: K.mv(outa, x8, b, ids=gids, k_slots=8, config=c)),
         ("f16 r4 stack", configs("F16"), lambda c: K.mv(f16r4, x4k, b, config=c)),
         ("idx q_b f16", configs("F16"), lambda c: K.mv(iqb, x1k, b, config=c)),
+        ("router f16", configs("F16"), lambda c: K.mv(router, x4k, b, config=c)),
+        ("f16 r128 comp", configs("F16"), lambda c: K.mv(f16r128, x4k, b, config=c)),
         ("gateup+sh", configs("IQ2_XXS", 2, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
          lambda c: K.mv(gate, x4k, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c)),
         ("gateup", configs("IQ2_XXS", 2, nsgs=(1, 2, 4), ks_max=2),
