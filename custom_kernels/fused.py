@@ -636,10 +636,10 @@ def compressor_emit(
         row = compressor_pool(kv[None], score[None], norm, C, S, eps, lanes=lanes, rounding=rounding,
                               out_dtype=out_dtype, backend="fallback")  # fmt: skip
         empty = (rows // lanes, width)
-        empty_kv, empty_sc = mx.zeros(empty, mx.float32), mx.full(empty, neg, mx.float32)
-        if lanes == 2:
-            empty_kv, empty_sc = mx.concatenate([kv[rows // 2 :], empty_kv]), mx.concatenate([score[rows // 2 :], empty_sc])
-        return row, mx.stack([empty_kv, empty_sc])
+        nxt_kv, nxt_sc = mx.zeros(empty, mx.float32), mx.full(empty, neg, mx.float32)
+        if lanes == 2:  # the finished window becomes the previous one
+            nxt_kv, nxt_sc = mx.concatenate([kv[rows // 2 :], nxt_kv]), mx.concatenate([score[rows // 2 :], nxt_sc])
+        return row, mx.stack([nxt_kv, nxt_sc])
     rnd, row_dtype, finish = _pool_rounding(rounding, hd, out_dtype)
     row, fr = get_fused_kernel("comp_pool", b)(
         inputs=[fr, _dummy(mx.float32), norm, C, S, _f32(float(eps), float(neg)), kv_in, sc_in, ape, at],

@@ -140,7 +140,8 @@ def test_host_ab_runs_both_versions(tmp_path):
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     out = tmp_path / "ab.json"
-    res = ab.main([str(other), "--shape", "tiny", "--prefill", "9", "--decode", "2", "--rounds", "2", "--json", str(out)])
+    res = ab.main([str(other), "--shape", "tiny", "--prefill", "9", "--decode", "2", "--rounds", "2",
+                   "--json", str(out)])  # fmt: skip
     assert len(res["this"]) == len(res["other"]) == len(res["ratios"]) == 2 and min(res["this"] + res["other"]) > 0
     assert json.loads(out.read_text()) == res
     import ds4_mlx.session
