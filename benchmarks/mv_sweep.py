@@ -1,6 +1,7 @@
-"""Device time of the model's own decode matvec launches under several (NR, NSG, KS) configs, under Nsight Compute.
+"""Device time of the model's own decode matvec launches under several (NR, NSG, KS) configs, under Nsight Compute
+(and of the one-token attention under several simdgroup counts a head).
 
-    ncu --clock-control none --kernel-name regex:ds_mv --metrics gpu__time_duration.sum --csv \
+    ncu --clock-control none --kernel-name regex:"ds_(mv|attn_one)" --metrics gpu__time_duration.sum --csv \
         python benchmarks/mv_sweep.py labels.json > ncu.csv        # on the GPU (CUDA only)
     python benchmarks/mv_sweep.py --summarize ncu.csv labels.json  # anywhere
     ncu --set full python benchmarks/mv_sweep.py labels.json --default --only q_b out_b  # why a launch is slow
@@ -11,7 +12,8 @@
 The launches are the full-shape decode step's (one token): q_b and q_a+kv with the RMSNorm prologue, out_b,
 the grouped out_a, the ratio-4 layers' stacked F16 projections, the ratio-128 compressor's and the indexer's q_b,
 the router (256 rows: a few threadgroups, so pure latency) and the routed experts' two launches with and without
-the shared expert inside (``mv`` ``shared``). Each config of each launch runs
+the shared expert inside (``mv`` ``shared``). ``attn`` is ``fused.attend_one`` at V4 Flash's ratio-4 layer (64
+heads of 512, a full raw window and the indexer's 512 of 700 rows), its config ``(NSG,)``. Each config of each launch runs
 twice unmeasured (JIT, caches), then three times; ``--summarize`` takes the median of the three per config and
 prints the fastest configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``). Configs
 whose staged rows would not fit CUDA's 48 KB of static shared memory are skipped. ``BUDGET`` (seconds, default
@@ -33,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv rms", "out_b", "out_a g8",
-            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "down+sh xq", "router f16", "f16 r128 comp"]
+            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "down+sh xq", "router f16", "f16 r128 comp", "attn"]
 
 
 def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
@@ -82,6 +84,10 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
     x4k_q, mid7_q = K.quantize_x(x4k), K.quantize_x(mid7)
     mx.eval(x4k_q, mid7_q)
     moe = dict(ids=ids, k_slots=6)
+    from ds4_mlx.kernels import fused as F
+    q, raw = mx.random.normal((1, 64, 512)), mx.random.normal((128, 512)).astype(mx.float16)
+    comp, sel = mx.random.normal((2048, 512)).astype(mx.float16), mx.random.randint(0, 700, (1, 512)).astype(mx.int32)
+    sinks, (rc, rs), counts = mx.random.normal((64,)), (mx.ones((1, 512)), mx.zeros((1, 512))), F.kernel_counts(128, 512)
     plans = [
         ("q_b rms", configs("Q8_0", nrs=(1, 2, 4, 8), kss=(1, 2)),
          lambda c: K.mv(qb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
@@ -93,6 +99,8 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
         ("idx q_b f16", configs("F16"), lambda c: K.mv(iqb, x1k, b, config=c)),
         ("router f16", configs("F16"), lambda c: K.mv(router, x4k, b, config=c)),
         ("f16 r128 comp", configs("F16"), lambda c: K.mv(f16r128, x4k, b, config=c)),
+        ("attn", [(4,), (8,), (16,), (32,)],
+         lambda c: F.attend_one(q, raw, comp, sel, counts, sinks, rc, rs, 0.044, nsg=c and c[0], backend=b)),
         ("gateup+sh", configs("IQ2_XXS", 2, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
          lambda c: K.mv(gate, x4k, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c)),
         ("gateup", configs("IQ2_XXS", 2, nsgs=(1, 2, 4), ks_max=2),

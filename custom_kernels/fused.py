@@ -73,6 +73,8 @@ HC_POST_THREADS = (256, 128, 64, 32)
 #: floats, so head_dim is capped to stay within Metal's 32 KB.
 ATTN_NSG = 8
 ATTN_MAX_HD = 512
+#: Static threadgroup memory a launch may use (bytes): Metal's 32 KB, CUDA's 48 KB (the sim backend runs CUDA's).
+TG_MEMORY = {"metal": 32 * 1024, "cuda": 48 * 1024, "sim": 48 * 1024}
 #: Threads of the indexer top-k kernel (one threadgroup).
 TOPK_THREADS = 512
 #: Threads of the sampler's one threadgroup (sample.body): 127 logits each at V = 129280.
@@ -752,6 +754,7 @@ def attend_one(
     S: mx.array,
     scale: float,
     *,
+    nsg: int | None = None,
     backend: str | None = None,
 ) -> mx.array:
     """One decode token's attention and the inverse RoPE of its output (MODEL.md §4.4) -> ``o [1, H, D]`` f32.
@@ -760,7 +763,9 @@ def attend_one(
     compressed-row buffer (raw's dtype, f16 or f32) or None; ``idx [1, k]`` (u)int32: the rows of ``comp`` the
     indexer selected, or None to attend to the first ``counts[1]`` rows; ``counts`` int32 ``[8] = (Mr, rows of
     comp attended, ...)``, made on the host so one compiled step serves every token; ``sinks [H]``; ``C, S
-    [1, D]``: the token's RoPE tables; ``scale``: the score scale.
+    [1, D]``: the token's RoPE tables; ``scale``: the score scale. ``nsg``: simdgroups a head (default
+    ``ATTN_NSG``; benchmarks sweep it), each walking every nsg-th key; ``(nsg + 1) * D`` floats of threadgroup
+    memory must fit the backend's (``TG_MEMORY``).
     """
     from ds4_mlx.model.attention import attend
     from ds4_mlx.model.rope import apply_rope
@@ -780,6 +785,9 @@ def attend_one(
     if idx is not None and (comp is None or idx.ndim != 2 or idx.shape[0] != 1 or idx.dtype not in (mx.int32, mx.uint32)):
         raise ValueError(f"attend_one: idx must be [1, k] int32/uint32 rows of comp, got {(idx.shape, idx.dtype)}")
     _check_counts("attend_one", counts)
+    nsg = ATTN_NSG if nsg is None else nsg
+    if nsg not in (1, 2, 4, 8, 16, 32) or (b in TG_MEMORY and 4 * (nsg + 1) * D + 8 * nsg > TG_MEMORY[b]):
+        raise ValueError(f"attend_one: nsg={nsg} simdgroups of {D} dims do not fit a {b} threadgroup")
     if b == "fallback" or D % 32 or D > ATTN_MAX_HD:
         gathered = rows = mask = None
         if idx is not None:
@@ -792,10 +800,9 @@ def attend_one(
     return get_fused_kernel("attn_one", b)(
         inputs=[q, raw, raw if comp is None else comp, _params(0) if idx is None else idx, sinks, C, S, counts,
                 _f32(float(scale))],
-        template=[("HD", D), ("NSG", ATTN_NSG), ("USE_IDX", int(idx is not None)),
-                  ("KV16", int(raw.dtype == mx.float16))],
-        grid=(H * ATTN_NSG * 32, 1, 1),
-        threadgroup=(ATTN_NSG * 32, 1, 1),
+        template=[("HD", D), ("NSG", nsg), ("USE_IDX", int(idx is not None)), ("KV16", int(raw.dtype == mx.float16))],
+        grid=(H * nsg * 32, 1, 1),
+        threadgroup=(nsg * 32, 1, 1),
         output_shapes=[(1, H, D)],
         output_dtypes=[mx.float32],
     )[0]  # fmt: skip

@@ -730,6 +730,12 @@ def test_attend_one_validation():
         fused.attend_one(q, raw, comp, idx, mx.array([16, 4], dtype=mx.int32), sinks, C, S, 0.1)
     with pytest.raises(ValueError, match="sinks"):
         fused.attend_one(q, raw, comp, idx, counts, sinks[:3], C, S, 0.1)
+    with pytest.raises(ValueError, match="nsg=3"):
+        fused.attend_one(q, raw, comp, idx, counts, sinks, C, S, 0.1, nsg=3)
+    q5, raw5 = mx.zeros((1, 4, 512)), mx.zeros((4, 512), mx.float16)  # 17 x 2 KB: over Metal's 32 KB, not CUDA's 48
+    with pytest.raises(ValueError, match="metal threadgroup"):
+        fused.attend_one(q5, raw5, None, None, counts, sinks, mx.ones((1, 512)), mx.zeros((1, 512)), 0.1, nsg=16,
+                         backend="metal")  # fmt: skip
 
 
 @needs_gpu
@@ -743,6 +749,19 @@ def test_attend_one_kernel(case):
     got = fused.attend_one(*args, backend=BACKEND)
     close(got, ref, 2e-5)
     close(got, attn_numpy(q, raw, comp, idx, n_comp, sinks, C, S, args[-1]), 2e-5)
+
+
+@needs_gpu
+@pytest.mark.parametrize("nsg", [1, 4, 16])
+def test_attend_one_kernel_simdgroups(nsg):
+    """Other simdgroup counts a head (the keys dealt out nsg apart, merged in the threadgroup): the same result."""
+    case = ATTN_CASES[6] if BACKEND != "sim" else ATTN_CASES[4]  # V4 Flash's top-512 (the sim: a small one)
+    H, D, n_raw, cap, n_comp, k, kv16 = case
+    q, raw, comp, idx, sinks, C, S = attn_inputs(H, D, n_raw, cap, n_comp, k, kv16, seed=nsg)
+    args = (mx.array(q), mx.array(raw), mx.array(comp), mx.array(idx), fused.kernel_counts(n_raw, k), mx.array(sinks),
+            C, S, 1.0 / math.sqrt(D))  # fmt: skip
+    want = attn_numpy(q, raw, comp, idx, n_comp, sinks, C, S, args[-1])
+    close(fused.attend_one(*args, nsg=nsg, backend=BACKEND), want, 2e-5)
 
 
 # --- indexer top-k ----------------------------------------------------------------------------------------
