@@ -124,8 +124,9 @@ def test_ab_decode_runs_both_trees(tmp_path):
         ab.main([str(tmp_path), "--shape", "tiny"])
 
 
-def test_host_ab_runs_both_versions(tmp_path):
-    """benchmarks/host_ab.py: another tree's package imported under another name, both timed in one process."""
+def test_ab_in_process_runs_both_versions(tmp_path):
+    """benchmarks/ab_in_process.py: another tree's package imported under another name, both timed in one process
+    over the same weight arrays."""
     import importlib.util
     import json
     import shutil
@@ -136,7 +137,7 @@ def test_host_ab_runs_both_versions(tmp_path):
     other = tmp_path / "other"
     for d in ("ds4_mlx", "custom_kernels"):
         shutil.copytree(root / d, other / d, ignore=shutil.ignore_patterns("__pycache__"))
-    spec = importlib.util.spec_from_file_location("host_ab", root / "benchmarks" / "host_ab.py")
+    spec = importlib.util.spec_from_file_location("ab_in_process", root / "benchmarks" / "ab_in_process.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
     out = tmp_path / "ab.json"
@@ -149,6 +150,14 @@ def test_host_ab_runs_both_versions(tmp_path):
     copy = sys.modules["ds4_mlx_ab.session"]  # the other version ran from its renamed copy, not from this tree
     assert copy is not ds4_mlx.session and not Path(copy.__file__).resolve().is_relative_to(root)
     assert copy.Session is not ds4_mlx.session.Session
+    # both versions' models wrap the same weight arrays, each in its own weight class
+    from ds4_mlx.random_model import random_weights, shape_config
+
+    cfg = shape_config("tiny")
+    weights = random_weights(cfg)
+    a, b = (ab.version(pkg, cfg, weights, 9) for pkg in ("ds4_mlx", "ds4_mlx_ab"))
+    ea, eb = a.sess.model.token_embd, b.sess.model.token_embd
+    assert ea.data is eb.data is weights["token_embd.weight"].data and type(ea) is not type(eb)
     with pytest.raises(SystemExit, match="no ds4_mlx"):
         ab.import_other(tmp_path / "nowhere", tmp_path / "x")
 

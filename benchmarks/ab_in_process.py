@@ -1,17 +1,19 @@
 """Two versions of the package in one process, their decode loops timed round by round.
 
-    python benchmarks/host_ab.py OTHER [--shape narrow] [--rounds 8] [--decode 48] [--json F]
+    python benchmarks/ab_in_process.py OTHER [--shape narrow|full|tiny] [--rounds 8] [--decode 48] [--json F]
 
 ``OTHER`` is a folder with another version's ``ds4_mlx/`` and ``custom_kernels/`` (e.g. ``git archive REV
 ds4_mlx custom_kernels | tar -x -C OTHER``). A copy of it is imported as ``ds4_mlx_ab``, every ``ds4_mlx`` in its
 Python text renamed, so both versions build their own model and session in this process and run the package's
 generation loop (``generate.decode_tokens`` at its defaults) in turns: this tree then the other in even rounds,
-the other first in odd ones, each continuing its own generation onward.
+the other first in odd ones, each continuing its own generation onward. The two models share one set of random
+weights (each wraps the same arrays in its own weight class), so the full shape fits once in device memory.
 
-Why one process: on the H200 the host's speed differs from process to process of the same tree by up to ~3 ms
-a token (benchmarks/RESULTS.md, twenty-fourth session), more than most host changes are worth. Alternating in
-one process cancels that, and the drift within a call. The ``narrow`` shape (the full 43-layer pattern at the
-tiny widths) gives the host a full step's work and the device almost none, so it compares host costs only.
+Why one process: on the H200 the host's speed drifts over seconds, by up to ~3 ms a token whatever the process or
+the cores (benchmarks/RESULTS.md, twenty-fourth and twenty-fifth sessions), more than most changes are worth.
+Rounds that alternate in one process compare under the same drift. The ``narrow`` shape (the full 43-layer
+pattern at the tiny widths) gives the host a full step's work and the device almost none, so it compares host
+costs only; ``full`` compares whole steps, the device's part included.
 
 Reported: each round's ms/token per version, the mean of each, and the paired ratios (this / other) of the
 rounds, with how many favour this tree.
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from graph_cost import narrow_config  # noqa: E402
 
 import ds4_mlx  # noqa: E402,F401  (this tree, imported before the other's copy)
+from ds4_mlx.random_model import random_weights  # noqa: E402
 
 OTHER_NAME = "ds4_mlx_ab"
 
@@ -55,13 +58,15 @@ def import_other(tree: Path, into: Path) -> str:
     return OTHER_NAME
 
 
-def version(pkg: str, cfg, prefill: int, seed: int = 0) -> SimpleNamespace:
-    """One version's model and session at ``cfg`` (given as this tree's config), prefilled and warmed."""
-    mod = {m: importlib.import_module(f"{pkg}.{m}") for m in ("config", "generate", "random_model", "sampling",
-                                                             "session")}  # fmt: skip
+def version(pkg: str, cfg, weights: dict, prefill: int, seed: int = 0) -> SimpleNamespace:
+    """One version's model and session at ``cfg`` (this tree's config) over ``weights`` (this tree's random
+    weights, rewrapped in the version's own weight class: the arrays are shared), prefilled and warmed."""
+    mod = {m: importlib.import_module(f"{pkg}.{m}") for m in ("config", "generate", "sampling", "session", "weights")}
     model_mod = importlib.import_module(f"{pkg}.model.model")
     cfg = mod["config"].ModelConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
-    model = model_mod.Model(cfg, mod["random_model"].random_weights(cfg, "q2", seed))
+    QW = mod["weights"].QuantWeight
+    model = model_mod.Model(cfg, {k: QW(v.data, v.qtype, v.shape) if hasattr(v, "qtype") else v
+                                  for k, v in weights.items()})  # fmt: skip
     prompt = [0] + np.random.default_rng(seed).integers(2, cfg.n_vocab, prefill - 1).tolist()
     sess = mod["session"].Session(model)
     sess.prefill(prompt)
@@ -94,9 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
     from ds4_mlx.random_model import shape_config
 
     cfg = narrow_config(args.layers or 43) if args.shape == "narrow" else shape_config(args.shape, args.layers)
+    weights = random_weights(cfg, "q2", 0)
     with tempfile.TemporaryDirectory() as tmp:
-        this = version("ds4_mlx", cfg, args.prefill)
-        other = version(import_other(args.other, Path(tmp)), cfg, args.prefill)
+        this = version("ds4_mlx", cfg, weights, args.prefill)
+        other = version(import_other(args.other, Path(tmp)), cfg, weights, args.prefill)
         t_start = time.perf_counter()
         for rnd in range(args.rounds):
             if args.seconds and time.perf_counter() - t_start > args.seconds:
