@@ -347,16 +347,16 @@ def hc_post_pre(
     return _hc_pre(S, fn, scale, base, cfg, norm, (y, post, comb), b, None, None, quantize, cols)
 
 
-def _streams(name: str, S: mx.array | Cols, n_hc: int, E: int | None = None) -> tuple[mx.array, int, int]:
+def _streams(name: str, S: mx.array | Cols, n_hc: int, E: int) -> tuple[mx.array, int, int]:
     """``(array, T, E)`` of a stream state: ``S [T, n_hc, E]`` f32, or one token's ``Cols(a, 0)`` of hc_mix's
-    output row (``a [1, >= n_hc*E]``: the state first, then the partials; ``E`` then comes from the caller)."""
+    output row (``a [1, >= n_hc*E]``: the state first, then the partials; the caller's ``E`` is its width)."""
     if not isinstance(S, Cols):
         if S.ndim != 3:
             raise ValueError(f"{name} must be [T, n_hc, E], got shape {tuple(S.shape)}")
         _check_f32(name, S, (S.shape[0], n_hc, S.shape[2]))
         return S, S.shape[0], S.shape[2]
-    if S.start != 0 or E is None:
-        raise ValueError(f"{name}: a state given as Cols starts at column 0 and needs E, got start {S.start}")
+    if S.start != 0:
+        raise ValueError(f"{name}: a state given as Cols starts at column 0, got start {S.start}")
     return _row_in_place(name, S, n_hc * E)[0], 1, E
 
 

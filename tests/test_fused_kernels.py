@@ -19,7 +19,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx.model import hyper
-from ds4_mlx.model.compressor import NEG, Compressor
+from ds4_mlx.model.compressor import NEG, Compressor, CompressorState
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.numerics import RowRounding
 from ds4_mlx.kernels import fused
@@ -485,7 +485,7 @@ def comp_write_inputs(R: int, W: int, at: int, seed: int = 0):
 
 def frontier(kv, score) -> mx.array:
     """A compressor frontier as the kernels take it (``CompressorState.fr``): ``[2, R, W]``, kv then score."""
-    return mx.stack([mx.array(kv), mx.array(score)])
+    return CompressorState.of(mx.array(kv), mx.array(score)).fr
 
 
 def comp_write_numpy(kv, score, rows, ape, at):

@@ -164,6 +164,8 @@ class MoE:
         y = experts_with_shared(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self.ffn_gate_up_shexp,
                                 self.ffn_down_shexp, n, sel, w, self.clamp, xq=nq)  # decode on the GPU: two launches
         if y is None:
+            if w is None:
+                sel, w = unpack_route(sel)
             n = cols(n, self.ffn_gate_inp.in_features)
-            y = self.routed(n, *((sel, w) if w is not None else unpack_route(sel)), add=self.shared(n))
+            y = self.routed(n, sel, w, add=self.shared(n))
         return y
