@@ -69,9 +69,11 @@ HC_PRE_SPLIT_MAX_T = 8
 HC_MIX_THREADS = 256
 #: Threads per threadgroup of the HC post kernel (largest of these dividing E).
 HC_POST_THREADS = (256, 128, 64, 32)
-#: Simdgroups per head of the one-token attention kernel; its threadgroup memory is (NSG + 1) * head_dim
-#: floats, so head_dim is capped to stay within Metal's 32 KB.
-ATTN_NSG = 8
+#: Simdgroups per head of the one-token attention kernel, by backend (each walks every NSG-th key); its
+#: threadgroup memory is (NSG + 1) * head_dim floats. H200, V4 Flash's ratio-4 layer (ncu, mv_sweep.py "attn"):
+#: NSG 4 / 8 / 16 took 100 / 55.7 / 32.6 µs; 16 heads of 512 need 34.9 KB, over Metal's 32 KB, so Metal keeps 8.
+#: The sim backend runs CUDA's text, so it takes CUDA's.
+ATTN_NSG = {"metal": 8, "cuda": 16, "sim": 16}
 ATTN_MAX_HD = 512
 #: Static threadgroup memory a launch may use (bytes): Metal's 32 KB, CUDA's 48 KB (the sim backend runs CUDA's).
 TG_MEMORY = {"metal": 32 * 1024, "cuda": 48 * 1024, "sim": 48 * 1024}
@@ -204,7 +206,8 @@ def instantiations() -> list[tuple[str, tuple]]:
                 for e, so in ((0, 0), (1, lanes * hd)) for r in (rnd, _NO_ROUNDING)]  # fmt: skip
     out.append(("comp_write", ()))
     for hd in (512, 128):
-        out += [("attn_one", (("HD", hd), ("NSG", ATTN_NSG), ("USE_IDX", u), ("KV16", 1))) for u in (0, 1)]
+        out += [("attn_one", (("HD", hd), ("NSG", n), ("USE_IDX", u), ("KV16", 1)))
+                for n in sorted(set(ATTN_NSG.values())) for u in (0, 1)]
     out += [("index_scores", (("NH", 64), ("HD", 128))), ("index_scores", (("NH", 16), ("HD", 128)))]
     out.append(("topk_rows", (("NT", TOPK_THREADS),)))
     out += [("qkv_rows", (("HD", 512), ("NH", 64), ("NOPE", 448), ("F16R", 1), ("WIN", w))) for w in (0, 1)]
@@ -764,8 +767,8 @@ def attend_one(
     indexer selected, or None to attend to the first ``counts[1]`` rows; ``counts`` int32 ``[8] = (Mr, rows of
     comp attended, ...)``, made on the host so one compiled step serves every token; ``sinks [H]``; ``C, S
     [1, D]``: the token's RoPE tables; ``scale``: the score scale. ``nsg``: simdgroups a head (default
-    ``ATTN_NSG``; benchmarks sweep it), each walking every nsg-th key; ``(nsg + 1) * D`` floats of threadgroup
-    memory must fit the backend's (``TG_MEMORY``).
+    the backend's ``ATTN_NSG``; benchmarks sweep it), each walking every nsg-th key; ``(nsg + 1) * D`` floats
+    of threadgroup memory must fit the backend's (``TG_MEMORY``).
     """
     from ds4_mlx.model.attention import attend
     from ds4_mlx.model.rope import apply_rope
@@ -785,7 +788,7 @@ def attend_one(
     if idx is not None and (comp is None or idx.ndim != 2 or idx.shape[0] != 1 or idx.dtype not in (mx.int32, mx.uint32)):
         raise ValueError(f"attend_one: idx must be [1, k] int32/uint32 rows of comp, got {(idx.shape, idx.dtype)}")
     _check_counts("attend_one", counts)
-    nsg = ATTN_NSG if nsg is None else nsg
+    nsg = ATTN_NSG.get(b, 8) if nsg is None else nsg
     if nsg not in (1, 2, 4, 8, 16, 32) or (b in TG_MEMORY and 4 * (nsg + 1) * D + 8 * nsg > TG_MEMORY[b]):
         raise ValueError(f"attend_one: nsg={nsg} simdgroups of {D} dims do not fit a {b} threadgroup")
     if b == "fallback" or D % 32 or D > ATTN_MAX_HD:
