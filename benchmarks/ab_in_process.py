@@ -58,9 +58,10 @@ def import_other(tree: Path, into: Path) -> str:
     return OTHER_NAME
 
 
-def version(pkg: str, cfg, weights: dict, prefill: int, seed: int = 0) -> SimpleNamespace:
+def version(pkg: str, cfg, weights: dict, prefill: int, reserve: int, seed: int = 0) -> SimpleNamespace:
     """One version's model and session at ``cfg`` (this tree's config) over ``weights`` (this tree's random
-    weights, rewrapped in the version's own weight class: the arrays are shared), prefilled and warmed."""
+    weights, rewrapped in the version's own weight class: the arrays are shared), prefilled and warmed. The
+    session's buffers are sized for ``reserve`` tokens, as ``generate`` sizes them: none grows while timed."""
     mod = {m: importlib.import_module(f"{pkg}.{m}") for m in ("config", "generate", "sampling", "session", "weights")}
     model_mod = importlib.import_module(f"{pkg}.model.model")
     cfg = mod["config"].ModelConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
@@ -68,7 +69,7 @@ def version(pkg: str, cfg, weights: dict, prefill: int, seed: int = 0) -> Simple
     model = model_mod.Model(cfg, {k: QW(v.data, v.qtype, v.shape) if hasattr(v, "qtype") else v
                                   for k, v in weights.items()})  # fmt: skip
     prompt = [0] + np.random.default_rng(seed).integers(2, cfg.n_vocab, prefill - 1).tolist()
-    sess = mod["session"].Session(model)
+    sess = mod["session"].Session(model, reserve=reserve)
     sess.prefill(prompt)
     v = SimpleNamespace(name=pkg, sess=sess, mod=mod, ms=[])
     run(v, max(cfg.compress_ratios) + 1)  # warm-up: every kind of step, JIT included
@@ -95,14 +96,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seconds", type=float, default=None, help="start no round after this long (set-up excluded)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     from ds4_mlx.random_model import shape_config
 
     cfg = narrow_config(args.layers or 43) if args.shape == "narrow" else shape_config(args.shape, args.layers)
     weights = random_weights(cfg, "q2", 0)
     with tempfile.TemporaryDirectory() as tmp:
-        this = version("ds4_mlx", cfg, weights, args.prefill)
-        other = version(import_other(args.other, Path(tmp)), cfg, weights, args.prefill)
+        reserve = args.prefill + max(cfg.compress_ratios) + 1 + args.rounds * (args.decode + 1)
+        this = version("ds4_mlx", cfg, weights, args.prefill, reserve)
+        other = version(import_other(args.other, Path(tmp)), cfg, weights, args.prefill, reserve)
         t_start = time.perf_counter()
         for rnd in range(args.rounds):
             if args.seconds and time.perf_counter() - t_start > args.seconds:
@@ -110,15 +114,21 @@ def main(argv: list[str] | None = None) -> dict:
             for v in (this, other) if rnd % 2 == 0 else (other, this):
                 v.ms.append(round(run(v, args.decode), 3))
             print(f"round {rnd}: this {this.ms[-1]:7.2f}  other {other.ms[-1]:7.2f} ms/token", flush=True)
-    ratios = [a / b for a, b in zip(this.ms, other.ms)]
-    res = {"this": this.ms, "other": other.ms, "this_mean": float(np.mean(this.ms)),
-           "other_mean": float(np.mean(other.ms)), "ratios": [round(r, 4) for r in ratios],
-           "median_ratio": float(np.median(ratios)), "rounds_this_faster": sum(r < 1 for r in ratios)}  # fmt: skip
-    print(f"this {res['this_mean']:.2f} ms/token, other {res['other_mean']:.2f}; median ratio "
-          f"{res['median_ratio']:.3f}, this faster in {res['rounds_this_faster']} of {len(ratios)} rounds")
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+            res = summary(this.ms, other.ms)
+            if args.json:  # every round: a crash at the end (one full-shape run died in teardown) loses nothing
+                args.json.write_text(json.dumps(res, indent=1))
+        print(f"this {res['this_mean']:.2f} ms/token, other {res['other_mean']:.2f}; median ratio "
+              f"{res['median_ratio']:.3f}, this faster in {res['rounds_this_faster']} of {len(this.ms)} rounds",
+              flush=True)
     return res
+
+
+def summary(this: list[float], other: list[float]) -> dict:
+    """Both versions' ms/token of each round, their means and the rounds' paired ratios (this / other)."""
+    ratios = [a / b for a, b in zip(this, other)]
+    return {"this": this, "other": other, "this_mean": float(np.mean(this)), "other_mean": float(np.mean(other)),
+            "ratios": [round(r, 4) for r in ratios], "median_ratio": float(np.median(ratios)),
+            "rounds_this_faster": sum(r < 1 for r in ratios)}
 
 
 if __name__ == "__main__":

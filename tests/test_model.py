@@ -155,7 +155,8 @@ def test_ab_in_process_runs_both_versions(tmp_path):
 
     cfg = shape_config("tiny")
     weights = random_weights(cfg)
-    a, b = (ab.version(pkg, cfg, weights, 9) for pkg in ("ds4_mlx", "ds4_mlx_ab"))
+    a, b = (ab.version(pkg, cfg, weights, 9, 64) for pkg in ("ds4_mlx", "ds4_mlx_ab"))
+    assert a.sess.reserve == b.sess.reserve == 64  # sized up front: no buffer grows while timed
     ea, eb = a.sess.model.token_embd, b.sess.model.token_embd
     assert ea.data is eb.data is weights["token_embd.weight"].data and type(ea) is not type(eb)
     with pytest.raises(SystemExit, match="no ds4_mlx"):
