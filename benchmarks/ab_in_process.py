@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                 v.ms.append(round(run(v, args.decode), 3))
             print(f"round {rnd}: this {this.ms[-1]:7.2f}  other {other.ms[-1]:7.2f} ms/token", flush=True)
             res = summary(this.ms, other.ms)
-            if args.json:  # every round: a crash at the end (one full-shape run died in teardown) loses nothing
+            if args.json:  # every round: a crash or a device call's time limit loses nothing
                 args.json.write_text(json.dumps(res, indent=1))
         print(f"this {res['this_mean']:.2f} ms/token, other {res['other_mean']:.2f}; median ratio "
               f"{res['median_ratio']:.3f}, this faster in {res['rounds_this_faster']} of {len(this.ms)} rounds",
