@@ -143,6 +143,26 @@ def test_pipelined_decode_is_the_synchronous_one(model, kw, encode_thread):
     assert len(runs[0][2]) == len(prompt_tokens(tok, "Hello")) + sum(t is not None for t in runs[0][0]) - 1
 
 
+def test_pipelined_decode_across_a_buffer_growth(model):
+    """Steps queued two deep from the encoder thread (CUDA's default) while a compressed-row buffer grows (no
+    reserve: the ratio-4 rows go 16 -> 32 when the window ending at position 67 completes) give the ids and
+    state of a session whose buffers were sized up front. Two full-shape A/B runs on CUDA died at such a growth
+    (benchmarks/RESULTS.md, twenty-sixth session); on a GPU this is the one-version check."""
+    m, _ = model
+    runs = {}
+    for reserve in (0, 80):
+        s = Session(m, reserve=reserve)
+        s.prefill(list(range(5, 63)))  # 58 tokens: 14 rows at ratio 4
+        got = [t for t, _ in decode_tokens(s, Sampler(seed=5), 14, lag=2, encode_thread=True)]
+        caps = {c.comp.shape[0] for c in s.caches if c.ratio == 4}
+        runs[reserve] = (got, s.tokens, _state(s), caps)
+    (got, toks, state, caps), (got_r, toks_r, state_r, caps_r) = runs[0], runs[80]
+    assert caps == {32} and caps_r == {20}  # the first run grew its buffers mid-decode, the second did not
+    assert got == got_r and toks == toks_r and len(toks) == 58 + 13
+    for a, b in zip(state, state_r, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_decode_tokens_rewinds_when_the_caller_stops(model, encode_thread):
     m, tok = model
     ids = prompt_tokens(tok, "Stop early")

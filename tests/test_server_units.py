@@ -87,3 +87,16 @@ def test_resolve_thinking():
     assert resolve_thinking("deepseek-v4-flash", 400000, efforts=("max",)) is ThinkMode.MAX
     with pytest.raises(APIError):
         resolve_thinking("deepseek-v4-flash", 32768, efforts=("extreme",))
+
+
+def test_model_loader_reserves_the_context(tiny_gguf):
+    """The server's session sizes its compressed-row buffers for --ctx at their first write: they do not grow
+    (a copy, a retrace and GPU kernel JITs mid-generation) while a conversation stays within the context."""
+    from ds4_mlx.server.cli import model_loader
+
+    ctx = 1000
+    session, tokenizer = model_loader(tiny_gguf(), ctx)()
+    assert session.reserve == ctx and tokenizer is not None
+    session.prefill(list(range(5, 41)))
+    caches = [c for c in session.caches if c.ratio]
+    assert caches and all(c.n_comp > 0 and c.comp.shape[0] == -(-ctx // c.ratio) for c in caches)

@@ -32,7 +32,9 @@ def _tracer(path: Path | None) -> Callable[[str], None] | None:
 
 
 def model_loader(path: Path, ctx: int) -> Callable[[], tuple[Any, Any]]:
-    """A loader for the worker thread: ``load(path)`` -> a live :class:`Session` and the tokenizer."""
+    """A loader for the worker thread: ``load(path)`` -> a live :class:`Session` and the tokenizer. The session's
+    KV buffers are sized for ``ctx`` tokens, as ds4 sizes its KV for ``--ctx``: within the context they never
+    grow, so no generation stops for a buffer copy, a retrace and (on GPUs) kernel JITs at the new shapes."""
 
     def load():
         from ..loader import load as load_gguf
@@ -41,7 +43,7 @@ def model_loader(path: Path, ctx: int) -> Callable[[], tuple[Any, Any]]:
         model, tokenizer = load_gguf(path)
         if tokenizer is None:
             raise RuntimeError(f"{path}: no usable tokenizer in the GGUF")
-        return Session(model), tokenizer
+        return Session(model, reserve=ctx), tokenizer
 
     return load
 
