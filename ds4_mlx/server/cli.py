@@ -81,7 +81,7 @@ def serve(
     demo: bool = typer.Option(False, "--demo", help="Serve the built-in tiny random-weight demo model."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(8000, "--port", help="Port to bind."),
-    ctx: int = typer.Option(32768, "-c", "--ctx", help="Context size in tokens (prompt + output)."),
+    ctx: int = typer.Option(32768, "-c", "--ctx", help="Context size in tokens (prompt + output); the KV buffers are sized for it at their first write."),
     tokens: int = typer.Option(393216, "-n", "--tokens", help="Default max output tokens when a request sets none."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DS4_MLX_API_KEY",
                                           help="Require this key (Bearer or x-api-key)."),
