@@ -379,3 +379,31 @@ def test_gather_matmul_flat_x_and_out_shape():
         w.gather_matmul(x, ids, out_shape=(1, 95))
     with pytest.raises(ValueError, match="does not fit"):
         w.gather_matmul(x[:, :7], ids)
+
+
+def test_mv_direct_candidate_matches_the_package_launch():
+    """benchmarks/mv_direct.py (a gate+up kernel reading weights straight into registers, timed on the GPU):
+    the package's quantized-x SwiGLU launch's result on the sim backend: rows not a multiple of NR, K of 40
+    units (two warps' worth at TPB 64, a thread looping over two at TPB 32)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "mv_direct.py"
+    spec = importlib.util.spec_from_file_location("mv_direct", path)
+    md = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(md)
+    rng = np.random.default_rng(21)
+    E, out, n_in, T, k = 8, 37, 1280, 2, 3
+    gate, up = (make_weight(rng, QT.IQ2_XXS, (E, out, n_in), np.float32)[0] for _ in range(2))
+    xq = kernels.quantize_x(mx.array(rng.standard_normal((T, n_in)).astype(np.float32)))
+    ids = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+    rw = mx.array(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
+    runs = {}
+    for clamp in (0.0, 0.05):  # no clamp, and one that bites (the results differ)
+        want = np.array(kernels.mv(gate, xq, "sim", ids=ids.reshape(-1), k_slots=k, epi=kernels.MV_SWIGLU, w2=up,
+                                   aux=rw.reshape(-1), clamp=clamp, xq=True))  # fmt: skip
+        for nr, tpb in ((4, 64), (2, 32)):
+            got = np.array(md.gate_up(gate, up, xq, ids, rw, clamp, k, nr=nr, tpb=tpb, backend="sim"))
+            assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (nr, tpb)
+        runs[clamp] = want
+    assert np.abs(runs[0.0]).max() > 0 and not np.allclose(runs[0.0], runs[0.05])
