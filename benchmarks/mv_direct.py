@@ -45,7 +45,7 @@ def gate_up(gate, up, xq: mx.array, ids: mx.array, route_w: mx.array, clamp: flo
             nr: int = 4, tpb: int = 128, backend: str = "cuda") -> mx.array:  # fmt: skip
     """``silu(min(g, c)) * clamp(u, ±c) * route_w`` of each (token, expert) pair -> ``[P, out]``: IQ2_XXS
     ``gate``/``up`` ``[E, out, in]``, ``xq`` quantized x ``[T, 5·in/8]``, ``ids``/``route_w`` ``[T, k_slots]``."""
-    E, n_out, n_in = gate.shape
+    _, n_out, n_in = gate.shape
     P = ids.size
     if tpb % 32 or n_in % 256 or xq.shape[-1] != 5 * n_in // 8 or ids.shape[-1] != k_slots:
         raise ValueError("mv_direct: TPB a multiple of 32, whole IQ2_XXS blocks, quantized x of the rows, k ids a token")
