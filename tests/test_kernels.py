@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 from ds4_mlx import quants
 from ds4_mlx.weights import QuantWeight, _kernels
 from kernel_util import (
-    BACKEND, gpu_only, kernel_backend_set, make_weight, needs_gpu, quantize_x_octets,
+    BACKEND, gpu_only, kernel_backend_set, load_benchmark, make_weight, needs_gpu, quantize_x_octets,
 )  # fmt: skip
 
 kernels = _kernels()
@@ -385,13 +385,7 @@ def test_mv_direct_candidate_matches_the_package_launch():
     """benchmarks/mv_direct.py (a gate+up kernel reading weights straight into registers, timed on the GPU):
     the package's quantized-x SwiGLU launch's result on the sim backend: rows not a multiple of NR, K of 40
     units (two warps' worth at TPB 64, a thread looping over two at TPB 32)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "mv_direct.py"
-    spec = importlib.util.spec_from_file_location("mv_direct", path)
-    md = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(md)
+    md = load_benchmark("mv_direct")
     rng = np.random.default_rng(21)
     E, out, n_in, T, k = 8, 37, 1280, 2, 3
     gate, up = (make_weight(rng, QT.IQ2_XXS, (E, out, n_in), np.float32)[0] for _ in range(2))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ds4_mlx.loader import load
+from kernel_util import load_benchmark
 
 
 @pytest.mark.parametrize("experts", ["q2", "q4", "f16"])
@@ -48,14 +49,9 @@ def test_load_returns_tokenizer(tiny_gguf):
 
 def test_benchmark_runs_at_tiny_shape(tmp_path):
     """benchmarks/model.py end to end at the tiny shape (the full shape runs on the GPU)."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "model.py"
-    spec = importlib.util.spec_from_file_location("bench_model", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("model")
     out = tmp_path / "res.json"
     res = bench.main(["--shape", "tiny", "--prefill", "23", "--chunk", "10", "--decode", "2", "--reps", "1",
                       "--json", str(out)])
@@ -76,13 +72,7 @@ def test_benchmark_runs_at_tiny_shape(tmp_path):
 def test_pipeline_depth_runs_at_tiny_shape():
     """benchmarks/pipeline_depth.py: every variant, from the same snapshot (so the same tokens each time), at
     ``--shape narrow`` (the real layer pattern at the tiny widths)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_depth.py"
-    spec = importlib.util.spec_from_file_location("pipeline_depth", path)
-    pd = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pd)
+    pd = load_benchmark("pipeline_depth")
     res = pd.main(["--shape", "narrow", "--layers", "6", "--prefill", "24", "--decode", "3", "--rounds", "1"])
     assert set(res) == set(pd.VARIANTS)
     for name, [(ms, wait, cpu, enc_cpu)] in res.items():
@@ -104,7 +94,6 @@ def test_pipeline_depth_runs_at_tiny_shape():
 
 def test_ab_decode_runs_both_trees(tmp_path):
     """benchmarks/ab_decode.py: model.py --quick from this tree and from another (here a copy), in rounds."""
-    import importlib.util
     import json
     import shutil
     from pathlib import Path
@@ -113,9 +102,7 @@ def test_ab_decode_runs_both_trees(tmp_path):
     other = tmp_path / "other"
     for d in ("ds4_mlx", "custom_kernels", "convert", "benchmarks"):
         shutil.copytree(root / d, other / d, ignore=shutil.ignore_patterns("__pycache__", "results"))
-    spec = importlib.util.spec_from_file_location("ab_decode", root / "benchmarks" / "ab_decode.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = load_benchmark("ab_decode")
     out = tmp_path / "ab.json"
     res = ab.main([str(other), "--shape", "tiny", "--prefill", "9", "--decode", "2", "--rounds", "1", "--json", str(out)])
     assert set(res) == {"this tree", "other: other"} and json.loads(out.read_text()).keys() == res.keys()
@@ -127,7 +114,6 @@ def test_ab_decode_runs_both_trees(tmp_path):
 def test_ab_in_process_runs_both_versions(tmp_path):
     """benchmarks/ab_in_process.py: another tree's package imported under another name, both timed in one process
     over the same weight arrays."""
-    import importlib.util
     import json
     import shutil
     import sys
@@ -137,9 +123,7 @@ def test_ab_in_process_runs_both_versions(tmp_path):
     other = tmp_path / "other"
     for d in ("ds4_mlx", "custom_kernels"):
         shutil.copytree(root / d, other / d, ignore=shutil.ignore_patterns("__pycache__"))
-    spec = importlib.util.spec_from_file_location("ab_in_process", root / "benchmarks" / "ab_in_process.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = load_benchmark("ab_in_process")
     out = tmp_path / "ab.json"
     res = ab.main([str(other), "--shape", "tiny", "--prefill", "9", "--decode", "2", "--rounds", "2",
                    "--json", str(out)])  # fmt: skip
@@ -183,13 +167,7 @@ def test_decode_step_launch_budget():
     twenty-fourth session): 26.5 a layer here until HC pre wrote its decode outputs as one row, 21.5 after,
     18 once hc_mix, moe_route and the compressor frontier write wrote one array each (twenty-fifth session).
     """
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "graph_cost.py"
-    spec = importlib.util.spec_from_file_location("graph_cost", path)
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
+    gc = load_benchmark("graph_cost")
     res = gc.main(["--layers", "6", "--ctx", "64", "--reps", "2"])
     assert res["compiled"] and res["kernel_launches"] >= 6 * 16  # the custom kernels were on the path
     # every launch writes at least one array and reads several (weights, activations, parameter blocks)
@@ -215,13 +193,7 @@ def test_decode_step_launch_budget():
 
 def test_kernel_profile_reads_ncu_csv(tmp_path, capsys):
     """benchmarks/kernel_profile.py's readers (its ncu runs need a GPU): units, markers, per-shape A/B."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_profile.py"
-    spec = importlib.util.spec_from_file_location("kernel_profile", path)
-    kp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kp)
+    kp = load_benchmark("kernel_profile")
 
     def write(name, rows):
         head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
@@ -257,7 +229,6 @@ def test_kernel_profile_reads_ncu_csv(tmp_path, capsys):
 def test_mv_sweep_configs_and_summary(tmp_path, capsys):
     """benchmarks/mv_sweep.py (its ncu run needs a GPU): the shared-memory bound on its configs, and the
     median of each config's three measured launches out of five."""
-    import importlib.util
     import json
     import sys
     from pathlib import Path
@@ -265,9 +236,7 @@ def test_mv_sweep_configs_and_summary(tmp_path, capsys):
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
     sys.path.insert(0, str(bench))  # mv_sweep reads ncu logs with kernel_profile's reader
     try:
-        spec = importlib.util.spec_from_file_location("mv_sweep", bench / "mv_sweep.py")
-        ms = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ms)
+        ms = load_benchmark("mv_sweep")
         assert (8, 2, 1) in ms.configs("Q8_0", nrs=(8,)) and (8, 4, 1) not in ms.configs("Q8_0", nrs=(8,))  # 69 KB
         assert ms.configs("Q8_0", nrs=(4,), nsgs=(4,)) == [(4, 4, 1), (4, 4, 2), (4, 4, 4)]
         assert (4, 4, 2) not in ms.configs("IQ2_XXS", 2, "Q8_0", nsgs=(4,))  # the shared Q8_0 rows widen the stage
@@ -298,14 +267,9 @@ def test_mv_sweep_configs_and_summary(tmp_path, capsys):
 def test_timeline_reads_nsys_sqlite(tmp_path, capsys):
     """benchmarks/timeline.py's analysis of an Nsight Systems export (its captures need a GPU): busy time as the
     union of overlapping activity, and an idle gap counted as the host's when the next work was queued late."""
-    import importlib.util
     import sqlite3
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "timeline.py"
-    spec = importlib.util.spec_from_file_location("timeline", path)
-    tl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tl)
+    tl = load_benchmark("timeline")
 
     db = sqlite3.connect(tmp_path / "t.sqlite")
     db.execute("CREATE TABLE StringIds(id INTEGER, value TEXT)")
