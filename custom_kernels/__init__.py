@@ -400,12 +400,8 @@ def _dummy(dtype: mx.Dtype = mx.int32) -> mx.array:
 
 def weight_bytes(qw) -> mx.array:
     """The weight as uint8 ``(*shape[:-1], row_bytes)`` (plain types viewed as bytes)."""
-    b = qw._cache.get("bytes")
-    if b is None:
-        b = qw.data if qw.data.dtype == mx.uint8 else qw.data.view(mx.uint8)
-        mx.eval(b)  # a view sharing the weight's buffer; left lazy, a compiled decode step would replay it
-        qw._cache["bytes"] = b
-    return b
+    # evaluated once (a view sharing the weight's buffer): left lazy, a compiled decode step would replay it
+    return qw.derived("bytes", lambda: qw.data if qw.data.dtype == mx.uint8 else qw.data.view(mx.uint8))
 
 
 def supports(qw) -> bool:
@@ -585,9 +581,10 @@ def q8_0_affine(qw) -> tuple[mx.array, mx.array, mx.array]:
     ``u = q XOR 0x80`` (= q + 128) packed LSB-first into uint32, ``scale = d``, ``bias = -128·d``. Params are
     f16 (d and -128·d are exact in f16) unless some |d| ≥ 512, where -128·d would overflow: then f32.
     """
-    cached = qw._cache.get("q8_affine")
-    if cached is not None:
-        return cached
+    return qw.derived("q8_affine", lambda: _q8_0_repack(qw))
+
+
+def _q8_0_repack(qw) -> tuple[mx.array, mx.array, mx.array]:
     *lead, n_out, n_in = qw.shape
     nb = n_in // 32
     blocks = qw.data.reshape(*lead, n_out, nb, 34)
@@ -595,11 +592,7 @@ def q8_0_affine(qw) -> tuple[mx.array, mx.array, mx.array]:
     wq = u.view(mx.uint32)  # (..., out, in/4): little-endian = LSB-first
     d = blocks[..., :2].view(mx.float16).reshape(*lead, n_out, nb)
     dtype = mx.float16 if float(mx.abs(d.astype(mx.float32)).max()) < 512 else mx.float32
-    scales = d.astype(dtype)
-    biases = (d.astype(mx.float32) * -128.0).astype(dtype)
-    mx.eval(wq, scales, biases)
-    qw._cache["q8_affine"] = (wq, scales, biases)
-    return wq, scales, biases
+    return wq, d.astype(dtype), (d.astype(mx.float32) * -128.0).astype(dtype)
 
 
 def q8_mode() -> str:

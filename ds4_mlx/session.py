@@ -18,6 +18,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from .model.model import Model
+from .weights import EVAL_LOCK
 
 DEFAULT_CHUNK = 512
 
@@ -177,7 +178,9 @@ class StepEncoder:
     session). Use as a context manager around the steps: while it is open the session's pipelined steps
     (``Session.step`` with a lazy token) are built on a stream every thread may use and evaluated only by
     this thread, and the caller reads a step's arrays only after :meth:`wait` on the event :meth:`submit`
-    returned (or after :meth:`drain`); anything else it evaluates needs :meth:`drain` first.
+    returned (or after :meth:`drain`); anything else it evaluates needs :meth:`drain` first. (The package's
+    own evaluations while building a step, a weight's derived form on first use, take
+    :data:`~ds4_mlx.weights.EVAL_LOCK` instead, which the worker holds while it queues.)
     """
 
     def __init__(self, session: Session, switch_interval: float = 2e-4) -> None:
@@ -209,7 +212,8 @@ class StepEncoder:
             t = time.thread_time()
             try:
                 if self._error is None:
-                    mx.async_eval(work)
+                    with EVAL_LOCK:  # not while the caller's thread makes a weight's derived form
+                        mx.async_eval(work)
             except BaseException as e:  # raised in the caller's thread at its next wait
                 self._error = e
             finally:

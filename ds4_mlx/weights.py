@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Sequence
+import threading
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,13 @@ from ds4_mlx import quants
 #: ``sim`` runs the kernels' CUDA text on the CPU (custom_kernels/sim.py): for tests and kernel work, slow.
 BACKENDS = ("fallback", "metal", "cuda", "sim")
 _backend_override: str | None = None
+
+#: Held by every evaluation of the package's that may run while a decode step is being built on another thread:
+#: the :class:`~ds4_mlx.session.StepEncoder`'s worker holds it to queue a step, :meth:`QuantWeight.derived` to
+#: make a weight's derived form on first use (e.g. the indexer's weights, first read at ~2K tokens). MLX's
+#: encoders are not thread-safe: on the H200 the two evaluating at once crashed the process (double free,
+#: segfault; benchmarks/RESULTS.md, twenty-seventh session).
+EVAL_LOCK = threading.Lock()
 
 # Largest f32 weight slab (elements) the fallback dequantizes at once: 2**26 floats = 256 MiB.
 FALLBACK_MAX_ELEMS = 1 << 26
@@ -132,6 +140,17 @@ class QuantWeight:
         return parts
 
     # --- properties -------------------------------------------------------------------------------------
+
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The form of this weight that ``make()`` returns (arrays, evaluated here), made once and kept under
+        ``key``. Made under :data:`EVAL_LOCK`: a first use may come while a worker evaluates decode steps."""
+        got = self._cache.get(key)
+        if got is None:
+            with EVAL_LOCK:
+                got = make()
+                mx.eval(got)
+            self._cache[key] = got
+        return got
 
     @property
     def nbytes(self) -> int:

@@ -163,6 +163,22 @@ def test_pipelined_decode_across_a_buffer_growth(model):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_pipelined_decode_across_the_indexers_first_selection(model, encode_thread):
+    """From a prompt too short for the indexer (2 ratio-4 rows, top-k 4), queued steps reach its first
+    selection (5 rows: position 20), which reads the indexer's weights for the first time, and give the
+    synchronous loop's ids and state. On CUDA that first read once evaluated on the caller's thread while the
+    encoder thread queued a step, and crashed the process (benchmarks/RESULTS.md, twenty-seventh session)."""
+    m, _ = model
+    runs = []
+    for lag in (0, 2):
+        s = Session(m)
+        s.prefill(list(range(7, 15)))
+        runs.append(([t for t, _ in decode_tokens(s, Sampler(seed=8), 20, lag=lag)], s.tokens, _state(s)))
+    assert runs[1][:2] == runs[0][:2] and len(runs[0][1]) == 8 + 19
+    for a, b in zip(runs[1][2], runs[0][2], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_decode_tokens_rewinds_when_the_caller_stops(model, encode_thread):
     m, tok = model
     ids = prompt_tokens(tok, "Stop early")

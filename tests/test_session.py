@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ from ds4_mlx.loader import load
 from ds4_mlx.numerics import PROFILES
 from ds4_mlx.session import Session, StepEncoder
 from ds4_mlx.kernels.sim import compiler
-from ds4_mlx.weights import kernel_backend, set_kernel_backend
+from ds4_mlx.weights import QT, QuantWeight, kernel_backend, set_kernel_backend
 
 GPU = kernel_backend() in ("metal", "cuda")
 # On the GPU, prefill products of more than 8 tokens run the mm kernel, whose tiles round both operands to
@@ -295,3 +298,36 @@ def test_step_encoder_queues_steps_and_reports_a_failed_one(tiny_gguf):
             enc.wait(enc.submit([foreign]))
     assert "Stream" in str(err.value.__cause__)
     assert s.queue_work is mx.async_eval
+
+
+def test_a_weights_first_use_waits_while_the_encoder_thread_queues(tiny_gguf, monkeypatch):
+    """A weight's derived form (made on first use, e.g. the indexer's weight bytes once it first selects) is
+    never evaluated while the worker queues a step: MLX's encoders are not thread-safe, and on the H200 the two
+    at once crashed a decode at ~2K tokens (benchmarks/RESULTS.md, twenty-seventh session)."""
+    m, _ = load(tiny_gguf())
+    s = Session(m)
+    s.prefill(prompt(12, seed=3))
+    queueing, spans = threading.Event(), {}
+    real = mx.async_eval
+
+    def slow_async_eval(work):  # the worker's queueing of a step, stretched
+        queueing.set()
+        time.sleep(0.3)
+        real(work)
+        spans["queued"] = time.perf_counter()
+
+    def make():
+        spans["made"] = time.perf_counter()
+        return qw.data * 2
+
+    monkeypatch.setattr(mx, "async_eval", slow_async_eval)
+    data = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    qw = QuantWeight(mx.array(data), QT.F32, (4, 32))
+    with StepEncoder(s) as enc:
+        done = enc.submit([mx.ones((3,)) + 1])  # on the encoder's stream, so the worker may queue it
+        assert queueing.wait(5)
+        got = qw.derived("twice", make)
+        enc.wait(done)
+    assert spans["made"] > spans["queued"]
+    np.testing.assert_array_equal(np.array(got), 2 * data)
+    assert qw.derived("twice", lambda: pytest.fail("made twice")) is got
