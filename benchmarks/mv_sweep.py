@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv rms", "out_b", "out_a g8",
-            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "down+sh xq", "router f16", "f16 r128 comp", "attn"]
+            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "gateup+sh xq direct", "down+sh xq", "router f16", "f16 r128 comp", "attn"]
 
 
 def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
@@ -110,7 +110,12 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
         ("down", configs("Q2_K", nsgs=(1, 2, 4), ks_max=2), lambda c: K.mv(down, mid6, b, **moe, epi=K.MV_SUM, config=c)),
         # x quantized beforehand (kernels.quantize_x; the model's HC pre writes it), int8 dots (mv.body XQ)
         ("gateup+sh xq", configs("IQ2_XXS", 2, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
-         lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True)),
+         lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True,
+                        direct=False)),
+        # the same as mv_xq.body (weights straight into registers; CUDA's default): configs are (NR, NSG)
+        ("gateup+sh xq direct", [None, (2, 2), (8, 2), (4, 1), (8, 1), (4, 4), (2, 4)],
+         lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True,
+                        direct=True)),
         ("down+sh xq", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
          lambda c: K.mv(down, mid7_q, b, **moe, epi=K.MV_SUM, shared=sd, config=c, xq=True)),
     ]

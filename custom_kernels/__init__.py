@@ -78,9 +78,17 @@ MV_SHARED_TYPE = QT.Q8_0
 MV_SHARED_ROUTED = (QT.IQ2_XXS, QT.Q2_K, QT.Q4_K)
 #: Quantized x (mv.body XQ; the routed experts' gate+up launch in decode): the types that decode in octets.
 MV_XQ_TYPES = (QT.Q8_0, QT.Q2_K, QT.IQ2_XXS)
+#: The gate+up launch with quantized x that reads weights straight into registers (mv_xq.body): the types it
+#: decodes (routed and shared), its (NR, NSG), and the backends where it replaces mv.body's launch. H200, 6
+#: routed pairs of 2048 × 4096 IQ2_XXS (ncu): NR 4 NSG 2 31.2 µs; (4, 4) 33.3, (8, 4) 34.0, (2, 4) 36.0;
+#: mv.body 40.1 (benchmarks/RESULTS.md, twenty-seventh session). Metal keeps mv.body (not measured there).
+MV_XQ_DIRECT_TYPES = (QT.IQ2_XXS, QT.Q8_0)
+MV_XQ_DIRECT_CONFIG = (4, 2)
+MV_XQ_DIRECT_BACKENDS = ("cuda", "sim")
 
 INPUTS = {
     "mv": ["w", "x", "ids", "params", "w2", "aux", "ws"],
+    "mv_xq": ["w", "x", "ids", "params", "w2", "aux", "ws"],
     "mm": ["w", "x", "ids", "tiles", "params"],
 }
 
@@ -297,6 +305,12 @@ def mv_template(
             ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)), ("XQ", bool(xq)))
 
 
+def mv_xq_template(qtype: QT, nr: int, nsg: int, shared_qt: QT | None = None) -> tuple:
+    """mv_xq.body's template: the routed type, its launch shape, the shared expert's type if it has one."""
+    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("SH", shared_qt is not None),
+            ("SQT", int(qtype if shared_qt is None else shared_qt)))  # fmt: skip
+
+
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
     return (("QT", int(qtype)), ("BN", bn), ("GATHER", bool(gather)))
 
@@ -320,6 +334,9 @@ def instantiations() -> list[Instantiation]:
                             out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, sh, xq)))
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
+    for qt in MV_XQ_DIRECT_TYPES:
+        for sh in (None, MV_SHARED_TYPE):
+            out.append(Instantiation("mv_xq", mv_xq_template(qt, *MV_XQ_DIRECT_CONFIG, sh)))
     return out
 
 
@@ -413,7 +430,7 @@ def mv(
     qw, x2: mx.array | Cols, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
     clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None, xq: bool = False,
-    route_packed: bool = False,
+    route_packed: bool = False, direct: bool | None = None,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
@@ -438,6 +455,10 @@ def mv(
     SwiGLU: ``shared`` holds its gate rows then its up rows (``[2·out, in]``) and the result is ``[P + T, out]``,
     the T shared rows last (no route weight). Sum: ``x2`` is that ``[P + T, in]``, ``shared`` the down weight
     ``[out, in]``, and each token's shared product joins its sum.
+
+    ``direct``: run a gathered SwiGLU launch with quantized x (types in ``MV_XQ_DIRECT_TYPES``, one x row a
+    token) as mv_xq.body, which reads the weights straight into registers (``config``: its ``(NR, NSG)``);
+    default on the backends in ``MV_XQ_DIRECT_BACKENDS``.
     """
     gather = ids is not None
     if shared is not None:
@@ -465,14 +486,20 @@ def mv(
     shared_qt = None if shared is None else shared.qtype
     if xq and (epi == MV_RMS or qw.qtype not in MV_XQ_TYPES or shared_qt not in (None, *MV_XQ_TYPES)):
         raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
+    fits_direct = (xq and gather and epi == MV_SWIGLU and not (n_x == P and k_slots > 1)
+                   and {qw.qtype, shared_qt or qw.qtype} <= set(MV_XQ_DIRECT_TYPES))  # fmt: skip
+    if direct and not fits_direct:
+        raise ValueError(f"mv: {qw!r} (shared {shared_qt}) is no gathered SwiGLU launch of quantized x, a row a token, "
+                         f"of types in MV_XQ_DIRECT_TYPES")  # fmt: skip
+    direct = fits_direct and (backend in MV_XQ_DIRECT_BACKENDS if direct is None else direct)
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
     has_aux = 2 if route_packed and epi == MV_SWIGLU else int(aux is not None)
-    key = (backend, P, n_x, k_slots, gather, config, epi, has_aux, clamp, shared_qt, xq, x_off, route_packed)
+    key = (backend, P, n_x, k_slots, gather, config, epi, has_aux, clamp, shared_qt, xq, x_off, route_packed, direct)
     plan = qw._cache.get(("mv",) + key)
     if plan is None:
         plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
-    wb, params, template, grid, threadgroup, out_shape = plan
-    return get_kernel("mv", backend, QT.IQ2_XXS in (qw.qtype, shared_qt))(
+    kind, wb, params, template, grid, threadgroup, out_shape = plan
+    return get_kernel(kind, backend, QT.IQ2_XXS in (qw.qtype, shared_qt))(
         inputs=[
             wb, x2, _pad_ids(ids, backend) if gather else _dummy(), params,
             _dummy(mx.uint8) if w2 is None else weight_bytes(w2),
@@ -491,23 +518,29 @@ def mv(
 def _mv_plan(
     qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: int = 0,
     clamp: float = 0.0, shared_qt: QT | None = None, xq: bool = False, x_off: int = 0, route_packed: bool = False,
+    direct: bool = False,
 ) -> tuple:  # fmt: skip
-    """(weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
+    """(kernel kind, weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
     wb = weight_bytes(qw)
     rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared_qt is not None else 0)  # of y
+    clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
+    ip = k_slots * (2 if route_packed else 1)  # the ids' row pitch
+    if direct:
+        nr, nsg = config[:2] if config else MV_XQ_DIRECT_CONFIG
+        params = _params(n_in, n_out, wb.shape[-1], k_slots, 0, P, clamp_bits, has_aux, x_off, ip)
+        template = list(mv_xq_template(qw.qtype, nr, nsg, shared_qt))
+        return "mv_xq", wb, params, template, (-(-n_out // nr) * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
     nr, nsg, ks = config or mv_config(qw.qtype, n_out, rows, epi, n_in)
     if nsg % ks:
         raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")
     if epi == MV_SUM and (not gather or P % k_slots):
         raise ValueError("mv: the sum epilogue needs a gathered launch of whole tokens")
     per_slot = int(gather and n_x == P and k_slots > 1)
-    clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
-    ip = k_slots * (2 if route_packed else 1)  # the ids' row pitch
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, has_aux, x_off, ip)
     groups = -(-n_out // (nr * nsg // ks))
     template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt, xq))
-    return wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
+    return "mv", wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 
 def mm_dense(qw, x2: mx.array, backend: str, bn: int = MM_BN_DENSE, init=None) -> mx.array:

@@ -4,6 +4,8 @@ The CPU-runnable parts (routing map, lossless Q8_0 repack) run in CI. The kernel
 (Metal or CUDA) and are skipped otherwise; ``benchmarks/gpu_check.py`` runs this file on the H200.
 """
 
+import itertools
+
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -381,23 +383,34 @@ def test_gather_matmul_flat_x_and_out_shape():
         w.gather_matmul(x[:, :7], ids)
 
 
-def test_mv_direct_candidate_matches_the_package_launch():
-    """benchmarks/mv_direct.py (a gate+up kernel reading weights straight into registers, timed on the GPU):
-    the package's quantized-x SwiGLU launch's result on the sim backend: rows not a multiple of NR, K of 40
-    units (two warps' worth at TPB 64, a thread looping over two at TPB 32)."""
-    md = load_benchmark("mv_direct")
-    rng = np.random.default_rng(21)
+@needs_gpu
+@pytest.mark.parametrize("qt", kernels.MV_XQ_DIRECT_TYPES, ids=lambda q: q.name)
+def test_mv_xq_direct_launch_is_the_staged_one(qt):
+    """mv_xq.body (weights straight into registers: CUDA's gate+up launch) gives mv.body's quantized-x SwiGLU
+    result (Metal's): with and without the shared expert, route weights or a packed route, no clamp or one that
+    bites, rows not a multiple of NR, K of 40 units (a thread takes one or two), one token's x read in place."""
+    rng = np.random.default_rng(21 + int(qt))
     E, out, n_in, T, k = 8, 37, 1280, 2, 3
-    gate, up = (make_weight(rng, QT.IQ2_XXS, (E, out, n_in), np.float32)[0] for _ in range(2))
+    gate, up = (make_weight(rng, qt, (E, out, n_in), np.float32)[0] for _ in range(2))
+    sgu = QuantWeight.stack_rows([make_weight(rng, QT.Q8_0, (out, n_in), np.float32)[0] for _ in range(2)])
     xq = kernels.quantize_x(mx.array(rng.standard_normal((T, n_in)).astype(np.float32)))
-    ids = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
-    rw = mx.array(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
-    runs = {}
-    for clamp in (0.0, 0.05):  # no clamp, and one that bites (the results differ)
-        want = np.array(kernels.mv(gate, xq, "sim", ids=ids.reshape(-1), k_slots=k, epi=kernels.MV_SWIGLU, w2=up,
-                                   aux=rw.reshape(-1), clamp=clamp, xq=True))  # fmt: skip
-        for nr, tpb in ((4, 64), (2, 32)):
-            got = np.array(md.gate_up(gate, up, xq, ids, rw, clamp, k, nr=nr, tpb=tpb, backend="sim"))
-            assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (nr, tpb)
-        runs[clamp] = want
-    assert np.abs(runs[0.0]).max() > 0 and not np.allclose(runs[0.0], runs[0.05])
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    rw = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    packed = mx.array(np.concatenate([ids, rw.view(np.int32)], axis=1))  # moe_route's [T, 2k]
+    wide = mx.concatenate([mx.zeros((1, 8)), xq[:1]], axis=1)  # token 0's words from column 8 on
+    seen = []
+    for shared, clamp, route, x in itertools.product((None, sgu), (0.0, 0.05), ("weights", "packed"), ("rows", "cols")):
+        n = T if x == "rows" else 1
+        kw = dict(k_slots=k, epi=kernels.MV_SWIGLU, w2=up, clamp=clamp, shared=shared, xq=True, init=NAN)
+        kw |= dict(ids=mx.array(ids[:n].reshape(-1)), aux=mx.array(rw[:n].reshape(-1))) if route == "weights" else \
+            dict(ids=packed[:n], route_packed=True)  # fmt: skip
+        x2 = xq if x == "rows" else kernels.Cols(wide, 8)
+        want = np.array(kernels.mv(gate, x2, "sim", direct=False, **kw))
+        got = np.array(kernels.mv(gate, x2, "sim", direct=True, **kw))
+        assert got.shape == want.shape == (n * k + (n if shared else 0), out) and np.isfinite(want).all()
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (shared is not None, clamp, route, x)
+        seen.append(want)
+    assert not np.allclose(seen[0], seen[4]) and np.abs(seen[0]).max() > 0  # the clamp bites
+    with pytest.raises(ValueError, match="MV_XQ_DIRECT_TYPES"):  # x per slot: not this launch
+        kernels.mv(gate, kernels.quantize_x(mx.zeros((T * k, n_in))), "sim", ids=mx.array(ids.reshape(-1)),
+                   k_slots=k, epi=kernels.MV_SWIGLU, w2=up, xq=True, direct=True)  # fmt: skip

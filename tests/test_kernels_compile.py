@@ -145,25 +145,34 @@ def test_mv_launch_plan():
 
     rng = np.random.default_rng(0)
     w = QuantWeight.from_numpy(random_blocks(rng, QT.Q8_0, (1024, 4096)), QT.Q8_0, (1024, 4096))
-    wb, params, template, grid, tg, out = kernels._mv_plan(w, "cuda", 1, 1, 1, False, None)
+    kind, wb, params, template, grid, tg, out = kernels._mv_plan(w, "cuda", 1, 1, 1, False, None)
+    assert kind == "mv"
     assert dict(template)["KS"] == 4 and tg == (128, 1, 1) and out == (1, 1024)
     assert grid == (1024 // 4 * 128, 1, 1)  # NR=4 rows per group of KS=4 simdgroups: 256 threadgroups
     assert np.array(params).tolist() == [4096, 1024, 4096 // 32 * 34, 1, 0, 1, 0, 0, 0, 1]
     e = QuantWeight.from_numpy(random_blocks(rng, QT.IQ2_XXS, (8, 64, 256)), QT.IQ2_XXS, (8, 64, 256))
     nr, nsg = kernels.MV_CONFIG[QT.IQ2_XXS]
-    _, params, template, grid, tg, out = kernels._mv_plan(e, "cuda", 6, 1, 6, True, None)
+    _, _, params, template, grid, tg, out = kernels._mv_plan(e, "cuda", 6, 1, 6, True, None)
     assert dict(template)["KS"] == nsg and dict(template)["GATHER"] is True  # 6 pairs x 8 groups: split
     assert grid == (-(-64 // nr) * 32 * nsg, 1, 6) and out == (6, 64)  # NR rows per threadgroup when split
     assert np.array(params).tolist()[3:6] == [6, 0, 6]
-    _, _, template, grid, _, _ = kernels._mv_plan(e, "cuda", 6, 1, 6, True, (nr, nsg, 1))  # forced unsplit
+    _, _, _, template, grid, _, _ = kernels._mv_plan(e, "cuda", 6, 1, 6, True, (nr, nsg, 1))  # forced unsplit
     assert dict(template)["KS"] == 1 and grid == (-(-64 // (nr * nsg)) * 32 * nsg, 1, 6)
     # SwiGLU epilogue: NR/2 rows of each of the two weights, the clamp's f32 bits and the route-weight flag
-    _, params, template, grid, _, out = kernels._mv_plan(e, "cuda", 6, 1, 6, True, None, kernels.MV_SWIGLU, True, 10.0)
+    _, _, params, template, grid, _, out = kernels._mv_plan(e, "cuda", 6, 1, 6, True, None, kernels.MV_SWIGLU, True, 10.0)
     assert dict(template)["NR"] == nr // 2 and dict(template)["EPI"] == kernels.MV_SWIGLU and out == (6, 64)
     assert np.array(params).tolist()[6:] == [int(np.float32(10.0).view(np.int32)), 1, 0, 6]
     # sum epilogue: one output row (and grid z) per token, not per pair
-    _, _, template, grid, _, out = kernels._mv_plan(e, "cuda", 12, 12, 6, True, None, kernels.MV_SUM, False, 0.0)
+    _, _, _, template, grid, _, out = kernels._mv_plan(e, "cuda", 12, 12, 6, True, None, kernels.MV_SUM, False, 0.0)
     assert dict(template)["EPI"] == kernels.MV_SUM and grid[2] == 2 and out == (2, 64)
+    # the quantized-x SwiGLU launch as mv_xq.body, with the shared expert: NR rows a threadgroup, all NSG
+    # simdgroups on them, the T shared pairs after the routed ones, a packed route (ids' pitch 2k)
+    kind, _, params, template, grid, tg, out = kernels._mv_plan(
+        e, "cuda", 12, 2, 6, True, None, kernels.MV_SWIGLU, 2, 10.0, QT.Q8_0, True, 0, True, True)
+    nr, nsg = kernels.MV_XQ_DIRECT_CONFIG
+    assert kind == "mv_xq" and template == list(kernels.mv_xq_template(QT.IQ2_XXS, nr, nsg, QT.Q8_0))
+    assert grid == (-(-64 // nr) * 32 * nsg, 1, 12 + 2) and tg == (32 * nsg, 1, 1) and out == (14, 64)
+    assert np.array(params).tolist()[3:] == [6, 0, 12, int(np.float32(10.0).view(np.int32)), 2, 0, 12]
 
 
 # --- source size: MLX hashes each custom kernel's whole source at every launch ---------------------------

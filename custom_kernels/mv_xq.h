@@ -1,0 +1,65 @@
+// mv_xq.h: helpers of the routed experts' gate+up decode launch (mv_xq.body), after ds_quant.h in its `header`.
+
+// Unit u (32 weights) of a row, read straight from device memory into DS_XQ_RAW words: IQ2_XXS {scale bits,
+// grid-index word, sign word}, Q8_0 {scale bits, the 32 weights as 8 words}. Blocks are only 2-byte aligned.
+#define DS_XQ_RAW(qt) (qt == DS_Q8_0 ? 9 : 3)
+DS_FN void ds_xq_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_THR uint32_t* raw) {
+  if (qt == DS_Q8_0) {
+    const DS_DEV uint16_t* p = (const DS_DEV uint16_t*)(row + 34u * u);
+    raw[0] = p[0];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) raw[1 + i] = (uint32_t)p[1 + 2 * i] | ((uint32_t)p[2 + 2 * i] << 16);
+  } else {  // DS_IQ2_XXS
+    const DS_DEV uint8_t* b = row + 66u * (u >> 3);
+    const DS_DEV uint16_t* g = (const DS_DEV uint16_t*)(b + 2 + 8 * (u & 7u));
+    raw[0] = *((const DS_DEV uint16_t*)b);
+    raw[1] = (uint32_t)g[0] | ((uint32_t)g[1] << 16);
+    raw[2] = (uint32_t)g[2] | ((uint32_t)g[3] << 16);
+  }
+}
+
+// Dot of a loaded unit with x quantized (mv.h ds_xq_load's layout): q[0..7] the unit's q words, q[8..15] its
+// remainder words, d[0..3] its octets' scales. tabs: the IQ2 grid (512 words), then each sign nibble's byte
+// mask (256 words), so an octet's weights become signed bytes as (g ^ m) + (m & 1).
+DS_FN float ds_xq_unit_dot(int qt, const DS_THR uint32_t* raw, const DS_THR uint32_t* q, const DS_THR float* d,
+                           const DS_TG uint32_t* tabs) {
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    uint32_t lo = raw[1 + 2 * k], hi = raw[2 + 2 * k];
+    if (qt != DS_Q8_0) {
+      const uint32_t gi = (raw[1] >> (8 * k)) & 255u, si = (raw[2] >> (7 * k)) & 127u;
+      const uint32_t mlo = tabs[512 + 2 * si], mhi = tabs[513 + 2 * si];
+      lo = (tabs[2 * gi] ^ mlo) + (mlo & 0x01010101u);
+      hi = (tabs[2 * gi + 1] ^ mhi) + (mhi & 0x01010101u);
+    }
+    const int dq = ds_dp4a(lo, q[2 * k], ds_dp4a(hi, q[2 * k + 1], 0));
+    const int dr = ds_dp4a(lo, q[8 + 2 * k], ds_dp4a(hi, q[9 + 2 * k], 0));
+    s = DS_FMA(d[k], (float)(128 * dq + dr), s);
+  }
+  const float scale = qt == DS_Q8_0 ? 1.0f : (0.5f + float(raw[2] >> 28)) * 0.25f;
+  return DS_F16_BITS(raw[0]) * scale * (1.0f / 128.0f) * s;
+}
+
+// One pair's rows: acc[r] (r < NR: rows r0 + r of wa; then of wb) += the row's dot with x quantized (row xr),
+// over the units this thread takes (tid, tid + tpb, ...). Rows past n_out read row n_out - 1 (unused).
+template <int QX, int NR>
+DS_FN void ds_xq_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0, uint32_t n_out,
+                      uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr, const DS_TG uint32_t* tabs,
+                      DS_THR float* acc) {
+  for (uint32_t u = tid; u < n_in / 32; u += tpb) {
+    uint32_t raw[2 * NR][DS_XQ_RAW(QX)];  // every row's bytes of unit u first: 2·NR loads in flight
+#pragma unroll
+    for (int r = 0; r < 2 * NR; ++r) {
+      const uint32_t row = r0 + (r % NR) < n_out ? r0 + (r % NR) : n_out - 1;
+      ds_xq_unit_load(QX, (r < NR ? wa : wb) + (uint64_t)row * rb, u, raw[r]);
+    }
+    const uint4 qa = ((const DS_DEV uint4*)xr)[2 * u], qb = ((const DS_DEV uint4*)xr)[2 * u + 1];
+    const uint4 ra = ((const DS_DEV uint4*)(xr + n_in / 4))[2 * u], rc = ((const DS_DEV uint4*)(xr + n_in / 4))[2 * u + 1];
+    const float4 xd = ((const DS_DEV float4*)(xr + n_in / 2))[u];
+    const uint32_t q[16] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w, ra.x, ra.y, ra.z, ra.w, rc.x, rc.y, rc.z, rc.w};
+    const float d[4] = {xd.x, xd.y, xd.z, xd.w};
+#pragma unroll
+    for (int r = 0; r < 2 * NR; ++r) acc[r] += ds_xq_unit_dot(QX, raw[r], q, d, tabs);
+  }
+}
