@@ -113,7 +113,7 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
          lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True,
                         direct=False)),
         # the same as mv_xq.body (weights straight into registers; CUDA's default): configs are (NR, NSG)
-        ("gateup+sh xq direct", [None, (2, 2), (8, 2), (4, 1), (8, 1), (4, 4), (2, 4)],
+        ("gateup+sh xq direct", [None, (4, 2), (8, 2), (8, 4), (2, 4), (4, 8), (2, 8)],
          lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True,
                         direct=True)),
         ("down+sh xq", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),

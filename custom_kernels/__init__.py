@@ -79,9 +79,10 @@ MV_SHARED_ROUTED = (QT.IQ2_XXS, QT.Q2_K, QT.Q4_K)
 #: Quantized x (mv.body XQ; the routed experts' gate+up launch in decode): the types that decode in octets.
 MV_XQ_TYPES = (QT.Q8_0, QT.Q2_K, QT.IQ2_XXS)
 #: The gate+up launch with quantized x that reads weights straight into registers (mv_xq.body): the types it
-#: decodes (routed and shared), its (NR, NSG), and the backends where it replaces mv.body's launch. H200, 6
-#: routed pairs of 2048 × 4096 IQ2_XXS (ncu): NR 4 NSG 2 31.2 µs; (4, 4) 33.3, (8, 4) 34.0, (2, 4) 36.0;
-#: mv.body 40.1 (benchmarks/RESULTS.md, twenty-seventh session). Metal keeps mv.body (not measured there).
+#: decodes (routed and shared), its (NR, NSG), and the backends where it replaces mv.body's launch. H200 (ncu),
+#: 6 routed pairs of 2048 × 4096 IQ2_XXS and the Q8_0 shared pair: (4, 2) 36.3 µs, (4, 4) 39.6, (8, 2) 44.0,
+#: (2, 4) 44.9; mv.body's launch 43.6 at its default (benchmarks/RESULTS.md, twenty-seventh session). Metal
+#: keeps mv.body (not measured there).
 MV_XQ_DIRECT_TYPES = (QT.IQ2_XXS, QT.Q8_0)
 MV_XQ_DIRECT_CONFIG = (4, 2)
 MV_XQ_DIRECT_BACKENDS = ("cuda", "sim")
@@ -486,11 +487,11 @@ def mv(
     shared_qt = None if shared is None else shared.qtype
     if xq and (epi == MV_RMS or qw.qtype not in MV_XQ_TYPES or shared_qt not in (None, *MV_XQ_TYPES)):
         raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
-    fits_direct = (xq and gather and epi == MV_SWIGLU and not (n_x == P and k_slots > 1)
+    fits_direct = (xq and gather and epi == MV_SWIGLU and not (n_x == P and k_slots > 1) and qw.shape[-1] % 64 == 0
                    and {qw.qtype, shared_qt or qw.qtype} <= set(MV_XQ_DIRECT_TYPES))  # fmt: skip
     if direct and not fits_direct:
         raise ValueError(f"mv: {qw!r} (shared {shared_qt}) is no gathered SwiGLU launch of quantized x, a row a token, "
-                         f"of types in MV_XQ_DIRECT_TYPES")  # fmt: skip
+                         f"K % 64 == 0, of types in MV_XQ_DIRECT_TYPES")  # fmt: skip
     direct = fits_direct and (backend in MV_XQ_DIRECT_BACKENDS if direct is None else direct)
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
     has_aux = 2 if route_packed and epi == MV_SWIGLU else int(aux is not None)

@@ -2,13 +2,22 @@
 
 // Unit u (32 weights) of a row, read straight from device memory into DS_XQ_RAW words: IQ2_XXS {scale bits,
 // grid-index word, sign word}, Q8_0 {scale bits, the 32 weights as 8 words}. Blocks are only 2-byte aligned.
+// A Q8_0 unit is read as the 9 aligned words that hold it and shifted into place (17 2-byte loads otherwise):
+// where it starts 4-byte aligned that reads 2 bytes past it, which the next unit has when the weight's row
+// bytes are a multiple of 4 (kernels.mv asks K % 64 == 0).
 #define DS_XQ_RAW(qt) (qt == DS_Q8_0 ? 9 : 3)
 DS_FN void ds_xq_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_THR uint32_t* raw) {
   if (qt == DS_Q8_0) {
-    const DS_DEV uint16_t* p = (const DS_DEV uint16_t*)(row + 34u * u);
-    raw[0] = p[0];
+    const DS_DEV uint8_t* p = row + 34u * u;
+    const uint32_t mis = (uint32_t)((uint64_t)p & 2u);  // 0 or 2
+    const DS_DEV uint32_t* a = (const DS_DEV uint32_t*)(p - mis);
+    uint32_t w[9];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) raw[1 + i] = (uint32_t)p[1 + 2 * i] | ((uint32_t)p[2 + 2 * i] << 16);
+    for (int i = 0; i < 9; ++i) w[i] = a[i];
+    raw[0] = (w[0] >> (8 * mis)) & 0xffffu;
+    const uint32_t sh = mis ? 32u : 16u;  // the weights start 2 + mis bytes into w
+#pragma unroll
+    for (int i = 0; i < 8; ++i) raw[1 + i] = (uint32_t)((((uint64_t)w[i + 1] << 32) | w[i]) >> sh);
   } else {  // DS_IQ2_XXS
     const DS_DEV uint8_t* b = row + 66u * (u >> 3);
     const DS_DEV uint16_t* g = (const DS_DEV uint16_t*)(b + 2 + 8 * (u & 7u));
