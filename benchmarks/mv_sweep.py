@@ -12,7 +12,7 @@
 The launches are the full-shape decode step's (one token): q_b and q_a+kv with the RMSNorm prologue, out_b,
 the grouped out_a, the ratio-4 layers' stacked F16 projections, the ratio-128 compressor's and the indexer's q_b,
 the router (256 rows: a few threadgroups, so pure latency) and the routed experts' two launches with and without
-the shared expert inside (``mv`` ``shared``). ``attn`` is ``fused.attend_one`` at V4 Flash's ratio-4 layer (64
+the shared expert inside (``mv`` ``shared``), the latter also as mv_reg.body (``direct``, configs ``(NR, NSG)``). ``attn`` is ``fused.attend_one`` at V4 Flash's ratio-4 layer (64
 heads of 512, a full raw window and the indexer's 512 of 700 rows), its config ``(NSG,)``. Each config of each launch runs
 twice unmeasured (JIT, caches), then three times; ``--summarize`` takes the median of the three per config and
 prints the fastest configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``). Configs
@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv rms", "out_b", "out_a g8",
-            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "gateup+sh xq direct", "down+sh xq", "router f16", "f16 r128 comp", "attn"]
+            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "gateup+sh xq direct", "down+sh direct", "down+sh xq", "router f16", "f16 r128 comp", "attn"]
 
 
 def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
@@ -106,16 +106,18 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
         ("gateup", configs("IQ2_XXS", 2, nsgs=(1, 2, 4), ks_max=2),
          lambda c: K.mv(gate, x4k, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, config=c)),
         ("down+sh", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
-         lambda c: K.mv(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c)),
+         lambda c: K.mv(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c, direct=False)),
         ("down", configs("Q2_K", nsgs=(1, 2, 4), ks_max=2), lambda c: K.mv(down, mid6, b, **moe, epi=K.MV_SUM, config=c)),
         # x quantized beforehand (kernels.quantize_x; the model's HC pre writes it), int8 dots (mv.body XQ)
         ("gateup+sh xq", configs("IQ2_XXS", 2, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
          lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True,
                         direct=False)),
-        # the same as mv_xq.body (weights straight into registers; CUDA's default): configs are (NR, NSG)
+        # the same as mv_reg.body (weights straight into registers; CUDA's default): configs are (NR, NSG)
         ("gateup+sh xq direct", [None, (4, 2), (8, 2), (8, 4), (2, 4), (4, 8), (2, 8)],
          lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True,
                         direct=True)),
+        ("down+sh direct", [None, (4, 1), (8, 1), (2, 2), (8, 2), (2, 4), (4, 4)],
+         lambda c: K.mv(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c, direct=True)),
         ("down+sh xq", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
          lambda c: K.mv(down, mid7_q, b, **moe, epi=K.MV_SUM, shared=sd, config=c, xq=True)),
     ]

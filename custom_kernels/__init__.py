@@ -78,18 +78,29 @@ MV_SHARED_TYPE = QT.Q8_0
 MV_SHARED_ROUTED = (QT.IQ2_XXS, QT.Q2_K, QT.Q4_K)
 #: Quantized x (mv.body XQ; the routed experts' gate+up launch in decode): the types that decode in octets.
 MV_XQ_TYPES = (QT.Q8_0, QT.Q2_K, QT.IQ2_XXS)
-#: The gate+up launch with quantized x that reads weights straight into registers (mv_xq.body): the types it
-#: decodes (routed and shared), its (NR, NSG), and the backends where it replaces mv.body's launch. H200 (ncu),
-#: 6 routed pairs of 2048 × 4096 IQ2_XXS and the Q8_0 shared pair: (4, 2) 36.3 µs, (4, 4) 39.6, (8, 2) 44.0,
-#: (2, 4) 44.9; mv.body's launch 43.6 at its default (benchmarks/RESULTS.md, twenty-seventh session). Metal
-#: keeps mv.body (not measured there).
-MV_XQ_DIRECT_TYPES = (QT.IQ2_XXS, QT.Q8_0)
-MV_XQ_DIRECT_CONFIG = (4, 2)
-MV_XQ_DIRECT_BACKENDS = ("cuda", "sim")
+
+
+class RegLaunch(NamedTuple):
+    """The routed experts' launch of one epilogue that reads weights straight into registers (mv_reg.body)."""
+
+    types: tuple  # the routed and shared weights' types it decodes
+    xq: bool  # x quantized (kernels.quantize_x) or f32
+    config: tuple[int, int]  # (NR, NSG)
+    backends: tuple[str, ...]  # where it replaces mv.body's launch by default
+
+
+#: H200 (ncu), gate+up of 6 routed pairs of 2048 × 4096 IQ2_XXS and the Q8_0 shared pair: (4, 2) 36.3 µs,
+#: (4, 4) 39.6, (8, 2) 44.0, (2, 4) 44.9; mv.body's launch 43.6 at its default (benchmarks/RESULTS.md,
+#: twenty-seventh session). The down sum (Q2_K + the Q8_0 shared down) is not measured yet: mv.body's by
+#: default. Metal keeps mv.body (not measured there).
+MV_REG = {
+    MV_SWIGLU: RegLaunch((QT.IQ2_XXS, QT.Q8_0), True, (4, 2), ("cuda", "sim")),
+    MV_SUM: RegLaunch((QT.Q2_K, QT.Q8_0), False, (4, 2), ()),
+}
 
 INPUTS = {
     "mv": ["w", "x", "ids", "params", "w2", "aux", "ws"],
-    "mv_xq": ["w", "x", "ids", "params", "w2", "aux", "ws"],
+    "mv_reg": ["w", "x", "ids", "params", "w2", "aux", "ws"],
     "mm": ["w", "x", "ids", "tiles", "params"],
 }
 
@@ -306,9 +317,9 @@ def mv_template(
             ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)), ("XQ", bool(xq)))
 
 
-def mv_xq_template(qtype: QT, nr: int, nsg: int, shared_qt: QT | None = None) -> tuple:
-    """mv_xq.body's template: the routed type, its launch shape, the shared expert's type if it has one."""
-    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("SH", shared_qt is not None),
+def mv_reg_template(qtype: QT, nr: int, nsg: int, epi: int, shared_qt: QT | None = None) -> tuple:
+    """mv_reg.body's template: the routed type, the launch shape, the epilogue, the shared expert's type."""
+    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("EPI", epi), ("SH", shared_qt is not None),
             ("SQT", int(qtype if shared_qt is None else shared_qt)))  # fmt: skip
 
 
@@ -335,9 +346,10 @@ def instantiations() -> list[Instantiation]:
                             out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, sh, xq)))
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
-    for qt in MV_XQ_DIRECT_TYPES:
-        for sh in (None, MV_SHARED_TYPE):
-            out.append(Instantiation("mv_xq", mv_xq_template(qt, *MV_XQ_DIRECT_CONFIG, sh)))
+    for epi, reg in MV_REG.items():
+        for qt in reg.types:
+            for sh in (None, MV_SHARED_TYPE):
+                out.append(Instantiation("mv_reg", mv_reg_template(qt, *reg.config, epi, sh)))
     return out
 
 
@@ -457,9 +469,9 @@ def mv(
     the T shared rows last (no route weight). Sum: ``x2`` is that ``[P + T, in]``, ``shared`` the down weight
     ``[out, in]``, and each token's shared product joins its sum.
 
-    ``direct``: run a gathered SwiGLU launch with quantized x (types in ``MV_XQ_DIRECT_TYPES``, one x row a
-    token) as mv_xq.body, which reads the weights straight into registers (``config``: its ``(NR, NSG)``);
-    default on the backends in ``MV_XQ_DIRECT_BACKENDS``.
+    ``direct``: run a gathered SwiGLU or sum launch as mv_reg.body, which reads the weights straight into
+    registers (``config``: its ``(NR, NSG)``), where ``MV_REG`` has the epilogue's types and x's form and K % 64
+    == 0; default on the epilogue's ``MV_REG`` backends.
     """
     gather = ids is not None
     if shared is not None:
@@ -487,12 +499,13 @@ def mv(
     shared_qt = None if shared is None else shared.qtype
     if xq and (epi == MV_RMS or qw.qtype not in MV_XQ_TYPES or shared_qt not in (None, *MV_XQ_TYPES)):
         raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
-    fits_direct = (xq and gather and epi == MV_SWIGLU and not (n_x == P and k_slots > 1) and qw.shape[-1] % 64 == 0
-                   and {qw.qtype, shared_qt or qw.qtype} <= set(MV_XQ_DIRECT_TYPES))  # fmt: skip
-    if direct and not fits_direct:
-        raise ValueError(f"mv: {qw!r} (shared {shared_qt}) is no gathered SwiGLU launch of quantized x, a row a token, "
-                         f"K % 64 == 0, of types in MV_XQ_DIRECT_TYPES")  # fmt: skip
-    direct = fits_direct and (backend in MV_XQ_DIRECT_BACKENDS if direct is None else direct)
+    reg = MV_REG.get(epi)
+    fits_reg = (reg is not None and gather and xq == reg.xq and qw.shape[-1] % 64 == 0
+                and {qw.qtype, shared_qt or qw.qtype} <= set(reg.types))  # fmt: skip
+    if direct and not fits_reg:
+        raise ValueError(f"mv: no launch of mv_reg.body for {qw!r} (shared {shared_qt}, epilogue {epi}, xq {xq}): "
+                         f"see MV_REG, and K % 64 == 0")  # fmt: skip
+    direct = fits_reg and (backend in reg.backends if direct is None else direct)
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
     has_aux = 2 if route_packed and epi == MV_SWIGLU else int(aux is not None)
     key = (backend, P, n_x, k_slots, gather, config, epi, has_aux, clamp, shared_qt, xq, x_off, route_packed, direct)
@@ -527,18 +540,17 @@ def _mv_plan(
     rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared_qt is not None else 0)  # of y
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
     ip = k_slots * (2 if route_packed else 1)  # the ids' row pitch
-    if direct:
-        nr, nsg = config[:2] if config else MV_XQ_DIRECT_CONFIG
-        params = _params(n_in, n_out, wb.shape[-1], k_slots, 0, P, clamp_bits, has_aux, x_off, ip)
-        template = list(mv_xq_template(qw.qtype, nr, nsg, shared_qt))
-        return "mv_xq", wb, params, template, (-(-n_out // nr) * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
-    nr, nsg, ks = config or mv_config(qw.qtype, n_out, rows, epi, n_in)
-    if nsg % ks:
-        raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")
     if epi == MV_SUM and (not gather or P % k_slots):
         raise ValueError("mv: the sum epilogue needs a gathered launch of whole tokens")
     per_slot = int(gather and n_x == P and k_slots > 1)
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, has_aux, x_off, ip)
+    if direct:
+        nr, nsg = config[:2] if config else MV_REG[epi].config
+        template = list(mv_reg_template(qw.qtype, nr, nsg, epi, shared_qt))
+        return "mv_reg", wb, params, template, (-(-n_out // nr) * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
+    nr, nsg, ks = config or mv_config(qw.qtype, n_out, rows, epi, n_in)
+    if nsg % ks:
+        raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")
     groups = -(-n_out // (nr * nsg // ks))
     template = list(mv_template(qw.qtype, gather, nr, nsg, ks, epi, shared_qt, xq))
     return "mv", wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)

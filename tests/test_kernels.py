@@ -384,33 +384,48 @@ def test_gather_matmul_flat_x_and_out_shape():
 
 
 @needs_gpu
-@pytest.mark.parametrize("qt", kernels.MV_XQ_DIRECT_TYPES, ids=lambda q: q.name)
-def test_mv_xq_direct_launch_is_the_staged_one(qt):
-    """mv_xq.body (weights straight into registers: CUDA's gate+up launch) gives mv.body's quantized-x SwiGLU
-    result (Metal's): with and without the shared expert, route weights or a packed route, no clamp or one that
-    bites, rows not a multiple of NR, K of 40 units (a thread takes one or two), one token's x read in place."""
-    rng = np.random.default_rng(21 + int(qt))
-    E, out, n_in, T, k = 8, 37, 1280, 2, 3
-    gate, up = (make_weight(rng, qt, (E, out, n_in), np.float32)[0] for _ in range(2))
-    sgu = QuantWeight.stack_rows([make_weight(rng, QT.Q8_0, (out, n_in), np.float32)[0] for _ in range(2)])
-    xq = kernels.quantize_x(mx.array(rng.standard_normal((T, n_in)).astype(np.float32)))
+@pytest.mark.parametrize("epi, qt", [(e, t) for e, reg in kernels.MV_REG.items() for t in reg.types],
+                         ids=lambda v: v.name if isinstance(v, QT) else {1: "swiglu", 2: "sum"}[v])
+def test_mv_reg_launches_are_the_staged_ones(epi, qt):
+    """mv_reg.body (weights straight into registers) gives mv.body's result: the gate+up SwiGLU of quantized x,
+    the down sum of f32 x. With and without the shared expert, route weights or a packed route, (SwiGLU) no clamp
+    or one that bites and one token's x read in place, (sum) an addend or none; rows not a multiple of NR, K of
+    40 units (a thread takes one or two)."""
+    rng = np.random.default_rng(21 + int(qt) + epi)
+    E, out, n_in, T, k = 8, 37, 1280 if epi == kernels.MV_SWIGLU else 512, 2, 3
+    swiglu = epi == kernels.MV_SWIGLU
+    w, up = (make_weight(rng, qt, (E, out, n_in), np.float32)[0] for _ in range(2))
+    sh = [make_weight(rng, QT.Q8_0, (out, n_in), np.float32)[0] for _ in range(2 if swiglu else 1)]
+    sh = QuantWeight.stack_rows(sh) if swiglu else sh[0]
+    x = rng.standard_normal((T if swiglu else T * k + T, n_in)).astype(np.float32)
+    x = kernels.quantize_x(mx.array(x)) if swiglu else mx.array(x)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
     rw = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
     packed = mx.array(np.concatenate([ids, rw.view(np.int32)], axis=1))  # moe_route's [T, 2k]
-    wide = mx.concatenate([mx.zeros((1, 8)), xq[:1]], axis=1)  # token 0's words from column 8 on
+    wide = mx.concatenate([mx.zeros((1, 8)), x[:1]], axis=1)  # token 0's words from column 8 on
+    add = mx.array(rng.standard_normal((T, out)).astype(np.float32))
+    variants = ([(0.0, "rows"), (0.05, "rows"), (0.0, "cols")] if swiglu else [(None, "rows"), (add, "rows")])
     seen = []
-    for shared, clamp, route, x in itertools.product((None, sgu), (0.0, 0.05), ("weights", "packed"), ("rows", "cols")):
-        n = T if x == "rows" else 1
-        kw = dict(k_slots=k, epi=kernels.MV_SWIGLU, w2=up, clamp=clamp, shared=shared, xq=True, init=NAN)
-        kw |= dict(ids=mx.array(ids[:n].reshape(-1)), aux=mx.array(rw[:n].reshape(-1))) if route == "weights" else \
-            dict(ids=packed[:n], route_packed=True)  # fmt: skip
-        x2 = xq if x == "rows" else kernels.Cols(wide, 8)
-        want = np.array(kernels.mv(gate, x2, "sim", direct=False, **kw))
-        got = np.array(kernels.mv(gate, x2, "sim", direct=True, **kw))
-        assert got.shape == want.shape == (n * k + (n if shared else 0), out) and np.isfinite(want).all()
-        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (shared is not None, clamp, route, x)
+    for shared, (extra, xs), route in itertools.product((None, sh), variants, ("weights", "packed")):
+        if route == "packed" and not swiglu and extra is not None:
+            continue  # a packed route's launches take no aux
+        n = 1 if xs == "cols" else T
+        kw = dict(k_slots=k, epi=epi, shared=shared, xq=swiglu, init=NAN)
+        kw |= dict(w2=up, clamp=extra) if swiglu else dict(aux=extra)
+        if route == "packed":
+            kw |= dict(ids=packed[:n], route_packed=True)
+        else:
+            kw |= dict(ids=mx.array(ids[:n].reshape(-1)))
+            if swiglu:
+                kw["aux"] = mx.array(rw[:n].reshape(-1))
+        x2 = kernels.Cols(wide, 8) if xs == "cols" else x if swiglu or shared is not None else x[: T * k]
+        want = np.array(kernels.mv(w, x2, "sim", direct=False, **kw))
+        got = np.array(kernels.mv(w, x2, "sim", direct=True, **kw))
+        rows = n * k + (n if shared is not None else 0) if swiglu else n
+        assert got.shape == want.shape == (rows, out) and np.isfinite(want).all()
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (shared is not None, xs, route)
         seen.append(want)
-    assert not np.allclose(seen[0], seen[4]) and np.abs(seen[0]).max() > 0  # the clamp bites
-    with pytest.raises(ValueError, match="MV_XQ_DIRECT_TYPES"):  # x per slot: not this launch
-        kernels.mv(gate, kernels.quantize_x(mx.zeros((T * k, n_in))), "sim", ids=mx.array(ids.reshape(-1)),
-                   k_slots=k, epi=kernels.MV_SWIGLU, w2=up, xq=True, direct=True)  # fmt: skip
+    assert np.abs(seen[0]).max() > 0 and not np.allclose(seen[0], seen[2])  # the clamp bites / the addend adds
+    with pytest.raises(ValueError, match="MV_REG"):  # x of the other form: not this launch
+        kernels.mv(w, x if not swiglu else mx.zeros((T, n_in)), "sim", ids=mx.array(ids.reshape(-1)), k_slots=k,
+                   epi=epi, w2=up if swiglu else None, xq=not swiglu, direct=True)  # fmt: skip

@@ -165,12 +165,12 @@ def test_mv_launch_plan():
     # sum epilogue: one output row (and grid z) per token, not per pair
     _, _, _, template, grid, _, out = kernels._mv_plan(e, "cuda", 12, 12, 6, True, None, kernels.MV_SUM, False, 0.0)
     assert dict(template)["EPI"] == kernels.MV_SUM and grid[2] == 2 and out == (2, 64)
-    # the quantized-x SwiGLU launch as mv_xq.body, with the shared expert: NR rows a threadgroup, all NSG
+    # the quantized-x SwiGLU launch as mv_reg.body, with the shared expert: NR rows a threadgroup, all NSG
     # simdgroups on them, the T shared pairs after the routed ones, a packed route (ids' pitch 2k)
     kind, _, params, template, grid, tg, out = kernels._mv_plan(
         e, "cuda", 12, 2, 6, True, None, kernels.MV_SWIGLU, 2, 10.0, QT.Q8_0, True, 0, True, True)
-    nr, nsg = kernels.MV_XQ_DIRECT_CONFIG
-    assert kind == "mv_xq" and template == list(kernels.mv_xq_template(QT.IQ2_XXS, nr, nsg, QT.Q8_0))
+    nr, nsg = kernels.MV_REG[kernels.MV_SWIGLU].config
+    assert kind == "mv_reg" and template == list(kernels.mv_reg_template(QT.IQ2_XXS, nr, nsg, kernels.MV_SWIGLU, QT.Q8_0))
     assert grid == (-(-64 // nr) * 32 * nsg, 1, 12 + 2) and tg == (32 * nsg, 1, 1) and out == (14, 64)
     assert np.array(params).tolist()[3:] == [6, 0, 12, int(np.float32(10.0).view(np.int32)), 2, 0, 12]
 

@@ -1,0 +1,124 @@
+// mv_reg.h: helpers of the routed experts' decode launches that read weights straight into registers
+// (mv_reg.body), after ds_quant.h in its `header`.
+
+// Unit u (32 weights) of a row, read straight from device memory into DS_REG_RAW words:
+//   IQ2_XXS {scale bits, grid-index word, sign word};
+//   Q8_0 {scale bits, the 32 weights as 8 words}: read as the 9 aligned words that hold the unit, shifted into
+//     place (17 two-byte loads otherwise; blocks are only 2-byte aligned). Where the unit starts 4-byte aligned
+//     that reads 2 bytes past it, which the next unit holds when the row bytes are a multiple of 4 (kernels.mv
+//     asks K % 64 == 0);
+//   Q2_K {its block's 32 plane bytes as 8 words, its two sub-block scales | plane << 16, d | dmin << 16}.
+#define DS_REG_RAW(qt) (qt == DS_Q8_0 ? 9 : qt == DS_Q2_K ? 10 : 3)
+DS_FN void ds_reg_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_THR uint32_t* raw) {
+  if (qt == DS_Q8_0) {
+    const DS_DEV uint8_t* p = row + 34u * u;
+    const uint32_t mis = (uint32_t)((uint64_t)p & 2u);  // 0 or 2
+    const DS_DEV uint32_t* a = (const DS_DEV uint32_t*)(p - mis);
+    uint32_t w[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) w[i] = a[i];
+    raw[0] = (w[0] >> (8 * mis)) & 0xffffu;
+    const uint32_t sh = mis ? 32u : 16u;  // the weights start 2 + mis bytes into w
+#pragma unroll
+    for (int i = 0; i < 8; ++i) raw[1 + i] = (uint32_t)((((uint64_t)w[i + 1] << 32) | w[i]) >> sh);
+  } else if (qt == DS_Q2_K) {  // 84-byte blocks: row bytes a multiple of 4, so these loads are aligned
+    const DS_DEV uint8_t* b = row + 84u * (u >> 3);
+    const uint32_t r = u & 7u;
+    const DS_DEV uint32_t* q = (const DS_DEV uint32_t*)(b + 16 + 32 * (r >> 2));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) raw[i] = q[i];
+    raw[8] = (uint32_t)*((const DS_DEV uint16_t*)(b + 2 * r)) | ((r & 3u) << 16);
+    raw[9] = *((const DS_DEV uint32_t*)(b + 80));
+  } else {  // DS_IQ2_XXS
+    const DS_DEV uint8_t* b = row + 66u * (u >> 3);
+    const DS_DEV uint16_t* g = (const DS_DEV uint16_t*)(b + 2 + 8 * (u & 7u));
+    raw[0] = *((const DS_DEV uint16_t*)b);
+    raw[1] = (uint32_t)g[0] | ((uint32_t)g[1] << 16);
+    raw[2] = (uint32_t)g[2] | ((uint32_t)g[3] << 16);
+  }
+}
+
+// Dot of a loaded unit (IQ2_XXS, Q8_0) with x quantized (mv.h ds_xq_load's layout): q[0..7] the unit's q words,
+// q[8..15] its remainder words, d[0..3] its octets' scales. tabs: the IQ2 grid (512 words), then each sign
+// nibble's byte mask (256 words), so an octet's weights become signed bytes as (g ^ m) + (m & 1).
+DS_FN float ds_reg_dot_q(int qt, const DS_THR uint32_t* raw, const DS_THR uint32_t* q, const DS_THR float* d,
+                         const DS_TG uint32_t* tabs) {
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    uint32_t lo = raw[1 + 2 * k], hi = raw[2 + 2 * k];
+    if (qt != DS_Q8_0) {
+      const uint32_t gi = (raw[1] >> (8 * k)) & 255u, si = (raw[2] >> (7 * k)) & 127u;
+      const uint32_t mlo = tabs[512 + 2 * si], mhi = tabs[513 + 2 * si];
+      lo = (tabs[2 * gi] ^ mlo) + (mlo & 0x01010101u);
+      hi = (tabs[2 * gi + 1] ^ mhi) + (mhi & 0x01010101u);
+    }
+    const int dq = ds_dp4a(lo, q[2 * k], ds_dp4a(hi, q[2 * k + 1], 0));
+    const int dr = ds_dp4a(lo, q[8 + 2 * k], ds_dp4a(hi, q[9 + 2 * k], 0));
+    s = DS_FMA(d[k], (float)(128 * dq + dr), s);
+  }
+  const float scale = qt == DS_Q8_0 ? 1.0f : (0.5f + float(raw[2] >> 28)) * 0.25f;
+  return DS_F16_BITS(raw[0]) * scale * (1.0f / 128.0f) * s;
+}
+
+// Dot of a loaded unit (Q2_K, Q8_0) with x[0..31] in f32; xs[0..1] = Σx over the unit's halves (Q2_K's min terms).
+DS_FN float ds_reg_dot_f(int qt, const DS_THR uint32_t* raw, const DS_THR float* x, const DS_THR float* xs) {
+  if (qt == DS_Q8_0) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8f((raw[1 + i] >> (8 * j)) & 255u), x[4 * i + j], s);
+    }
+    return DS_F16_BITS(raw[0]) * s;
+  }
+  const uint32_t sh = 2u * (raw[8] >> 16), sc0 = raw[8] & 255u, sc1 = (raw[8] >> 8) & 255u;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w0 = raw[i] >> sh, w1 = raw[4 + i] >> sh;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      s0 = DS_FMA(ds_u2f((w0 >> (8 * j)) & 3u), x[4 * i + j], s0);
+      s1 = DS_FMA(ds_u2f((w1 >> (8 * j)) & 3u), x[16 + 4 * i + j], s1);
+    }
+  }
+  return DS_F16_BITS(raw[9] & 0xffffu) * (float(sc0 & 15u) * s0 + float(sc1 & 15u) * s1)
+       - DS_F16_BITS(raw[9] >> 16) * (float(sc0 >> 4) * xs[0] + float(sc1 >> 4) * xs[1]);
+}
+
+// One pair's rows: acc[r] (r < NR: rows r0 + r of wa; then, NW == 2, of wb) += the row's dot with x (row xr:
+// quantized if XQ, else f32) over the units this thread takes (tid, tid + tpb, ...). Rows past n_out read row
+// n_out - 1 (unused).
+template <int QX, int NR, int NW, bool XQ>
+DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0, uint32_t n_out,
+                       uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr, const DS_TG uint32_t* tabs,
+                       DS_THR float* acc) {
+  for (uint32_t u = tid; u < n_in / 32; u += tpb) {
+    uint32_t raw[NW * NR][DS_REG_RAW(QX)];  // every row's bytes of unit u first: NW·NR loads in flight
+#pragma unroll
+    for (int r = 0; r < NW * NR; ++r) {
+      const uint32_t row = r0 + (r % NR) < n_out ? r0 + (r % NR) : n_out - 1;
+      ds_reg_unit_load(QX, (r < NR ? wa : wb) + (uint64_t)row * rb, u, raw[r]);
+    }
+    if (XQ) {
+      const uint4 qa = ((const DS_DEV uint4*)xr)[2 * u], qb = ((const DS_DEV uint4*)xr)[2 * u + 1];
+      const uint4 ra = ((const DS_DEV uint4*)(xr + n_in / 4))[2 * u], rc = ((const DS_DEV uint4*)(xr + n_in / 4))[2 * u + 1];
+      const float4 xd = ((const DS_DEV float4*)(xr + n_in / 2))[u];
+      const uint32_t q[16] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w, ra.x, ra.y, ra.z, ra.w, rc.x, rc.y, rc.z, rc.w};
+      const float d[4] = {xd.x, xd.y, xd.z, xd.w};
+#pragma unroll
+      for (int r = 0; r < NW * NR; ++r) acc[r] += ds_reg_dot_q(QX, raw[r], q, d, tabs);
+    } else {
+      float x[32], xs[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float4 t = ((const DS_DEV float4*)(xr + 32 * u))[i];
+        x[4 * i] = t.x; x[4 * i + 1] = t.y; x[4 * i + 2] = t.z; x[4 * i + 3] = t.w;
+        xs[i >> 2] += (t.x + t.y) + (t.z + t.w);
+      }
+#pragma unroll
+      for (int r = 0; r < NW * NR; ++r) acc[r] += ds_reg_dot_f(QX, raw[r], x, xs);
+    }
+  }
+}
