@@ -305,14 +305,9 @@ def _fn_pairs(fn: Any) -> mx.array | None:
     """fn's f16 values as u32 pairs ``[mix, n/2]`` (cached on the weight), or None if fn is not plain F16."""
     if getattr(fn, "qtype", None) != QT.F16 or getattr(fn, "data", None) is None or fn.data.dtype != mx.float16:
         return None
-    cache = getattr(fn, "_cache", None)
-    w = cache.get("f16_pairs") if cache is not None else None
-    if w is None:
-        w = fn.data.view(mx.uint32)  # [mix, n/2]: element 2i in the low half (little endian)
-        mx.eval(w)  # shares fn's buffer; left lazy, a compiled decode step would replay the view every step
-        if cache is not None:
-            cache["f16_pairs"] = w
-    return w
+    # [mix, n/2], element 2i in the low half (little endian); evaluated once (it shares fn's buffer): left lazy,
+    # a compiled decode step would replay the view every step
+    return fn.derived("f16_pairs", lambda: fn.data.view(mx.uint32))
 
 
 def hc_pre(
