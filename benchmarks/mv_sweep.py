@@ -12,12 +12,13 @@
 The launches are the full-shape decode step's (one token): q_b and q_a+kv with the RMSNorm prologue, out_b,
 the grouped out_a, the ratio-4 layers' stacked F16 projections, the ratio-128 compressor's and the indexer's q_b,
 the router (256 rows: a few threadgroups, so pure latency) and the routed experts' two launches with and without
-the shared expert inside (``mv`` ``shared``), the latter also as mv_reg.body (``direct``, configs ``(NR, NSG)``). ``attn`` is ``fused.attend_one`` at V4 Flash's ratio-4 layer (64
-heads of 512, a full raw window and the indexer's 512 of 700 rows), its config ``(NSG,)``. Each config of each launch runs
-twice unmeasured (JIT, caches), then three times; ``--summarize`` takes the median of the three per config and
-prints the fastest configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``). Configs
-whose staged rows would not fit CUDA's 48 KB of static shared memory are skipped. ``BUDGET`` (seconds, default
-300) stops starting new configs, so a device call's limit cuts the sweep at a config boundary.
+the shared expert inside (``mv`` ``shared``); "direct" launches run as mv_reg.body instead (configs
+``(NR, NSG[, RG])``). ``attn`` is ``fused.attend_one`` at V4 Flash's ratio-4 layer (64 heads of 512, a full raw
+window and the indexer's 512 of 700 rows), its config ``(NSG,)``. Each config of each launch runs twice unmeasured
+(JIT, caches), then three times; ``--summarize`` takes the median of the three per config and prints the fastest
+configs per launch (``default`` marks the dispatcher's own pick, ``kernels.mv_config``). Configs whose staged rows
+would not fit CUDA's 48 KB of static shared memory are skipped. ``BUDGET`` (seconds, default 300) stops starting
+new configs, so a device call's limit cuts the sweep at a config boundary.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv rms", "out_b", "out_a g8",
-            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "gateup+sh xq direct", "down+sh direct", "down+sh xq", "router f16", "f16 r128 comp", "attn"]
+            "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "gateup+sh xq direct", "down+sh direct", "q_b rms direct",
+            "out_b direct", "qa+kv rms direct", "out_a g8 direct", "down+sh xq", "router f16", "f16 r128 comp", "attn"]
 
 
 def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
@@ -53,6 +56,10 @@ def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs
             if ks <= nsg and nsg % ks == 0 and ks <= ks_max and 2 * nsg * nr * nw * pitch + 2048 * (qt == "IQ2_XXS") <= 46000:
                 out.append((nr, nsg, ks))
     return out
+
+
+#: (NR, NSG, RG) of the dense and grouped launches as mv_reg.body (``None``: kernels.MV_REG's).
+REG_DENSE = [None, (4, 1, 1), (8, 1, 1), (4, 1, 4), (4, 4, 1), (8, 4, 1), (4, 8, 1)]
 
 
 def cases(only: list[str] | None = None, default: bool = False, given: list[tuple] | None = None):
@@ -84,42 +91,51 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
     x4k_q, mid7_q = K.quantize_x(x4k), K.quantize_x(mid7)
     mx.eval(x4k_q, mid7_q)
     moe = dict(ids=ids, k_slots=6)
+    staged, reg = partial(K.mv, direct=False), partial(K.mv, direct=True)  # mv.body's launch, mv_reg.body's
     from ds4_mlx.kernels import fused as F
     q, raw = mx.random.normal((1, 64, 512)), mx.random.normal((128, 512)).astype(mx.float16)
     comp, sel = mx.random.normal((2048, 512)).astype(mx.float16), mx.random.randint(0, 700, (1, 512)).astype(mx.int32)
     sinks, (rc, rs), counts = mx.random.normal((64,)), (mx.ones((1, 512)), mx.zeros((1, 512))), F.kernel_counts(128, 512)
     plans = [
         ("q_b rms", configs("Q8_0", nrs=(1, 2, 4, 8), kss=(1, 2)),
-         lambda c: K.mv(qb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
-        ("q_b", [None, (2, 4, 1), (8, 2, 1), (2, 8, 1)], lambda c: K.mv(qb, x1k, b, config=c)),
-        ("qa+kv rms", configs("Q8_0"), lambda c: K.mv(qakv, x4k, b, config=c, epi=K.MV_RMS, aux=nw4k, clamp=1e-6)),
-        ("out_b", configs("Q8_0"), lambda c: K.mv(outb, x8k, b, config=c)),
-        ("out_a g8", configs("Q8_0", nsgs=(2, 4), ks_max=4), lambda c: K.mv(outa, x8, b, ids=gids, k_slots=8, config=c)),
-        ("f16 r4 stack", configs("F16"), lambda c: K.mv(f16r4, x4k, b, config=c)),
-        ("idx q_b f16", configs("F16"), lambda c: K.mv(iqb, x1k, b, config=c)),
-        ("router f16", configs("F16"), lambda c: K.mv(router, x4k, b, config=c)),
-        ("f16 r128 comp", configs("F16"), lambda c: K.mv(f16r128, x4k, b, config=c)),
+         lambda c: staged(qb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
+        ("q_b", [None, (2, 4, 1), (8, 2, 1), (2, 8, 1)], lambda c: staged(qb, x1k, b, config=c)),
+        ("qa+kv rms", configs("Q8_0"), lambda c: staged(qakv, x4k, b, config=c, epi=K.MV_RMS, aux=nw4k, clamp=1e-6)),
+        ("out_b", configs("Q8_0"), lambda c: staged(outb, x8k, b, config=c)),
+        ("out_a g8", configs("Q8_0", nsgs=(2, 4), ks_max=4),
+         lambda c: staged(outa, x8, b, ids=gids, k_slots=8, config=c)),
+        ("f16 r4 stack", configs("F16"), lambda c: staged(f16r4, x4k, b, config=c)),
+        ("idx q_b f16", configs("F16"), lambda c: staged(iqb, x1k, b, config=c)),
+        ("router f16", configs("F16"), lambda c: staged(router, x4k, b, config=c)),
+        ("f16 r128 comp", configs("F16"), lambda c: staged(f16r128, x4k, b, config=c)),
         ("attn", [(4,), (8,), (16,), (32,)],
          lambda c: F.attend_one(q, raw, comp, sel, counts, sinks, rc, rs, 0.044, nsg=c and c[0], backend=b)),
         ("gateup+sh", configs("IQ2_XXS", 2, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
-         lambda c: K.mv(gate, x4k, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c)),
+         lambda c: staged(gate, x4k, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c)),
         ("gateup", configs("IQ2_XXS", 2, nsgs=(1, 2, 4), ks_max=2),
-         lambda c: K.mv(gate, x4k, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, config=c)),
+         lambda c: staged(gate, x4k, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, config=c)),
         ("down+sh", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
-         lambda c: K.mv(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c, direct=False)),
-        ("down", configs("Q2_K", nsgs=(1, 2, 4), ks_max=2), lambda c: K.mv(down, mid6, b, **moe, epi=K.MV_SUM, config=c)),
+         lambda c: staged(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c)),
+        ("down", configs("Q2_K", nsgs=(1, 2, 4), ks_max=2),
+         lambda c: staged(down, mid6, b, **moe, epi=K.MV_SUM, config=c)),
         # x quantized beforehand (kernels.quantize_x; the model's HC pre writes it), int8 dots (mv.body XQ)
         ("gateup+sh xq", configs("IQ2_XXS", 2, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
-         lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True,
-                        direct=False)),
-        # the same as mv_reg.body (weights straight into registers; CUDA's default): configs are (NR, NSG)
-        ("gateup+sh xq direct", [None, (4, 2), (8, 2), (8, 4), (2, 4), (4, 8), (2, 8)],
-         lambda c: K.mv(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c, xq=True,
-                        direct=True)),
+         lambda c: staged(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c,
+                          xq=True)),
+        # the same as mv_reg.body (weights straight into registers; CUDA's default): configs (NR, NSG[, RG])
+        ("gateup+sh xq direct", [None, (4, 2, 2), (4, 2, 4), (8, 2), (2, 4), (4, 4)],
+         lambda c: reg(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c,
+                       xq=True)),
         ("down+sh direct", [None, (4, 1), (8, 1), (2, 2), (8, 2), (2, 4), (4, 4)],
-         lambda c: K.mv(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c, direct=True)),
+         lambda c: reg(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c)),
+        # the dense and grouped Q8_0 launches as mv_reg.body: configs (NR, NSG, RG)
+        ("q_b rms direct", REG_DENSE, lambda c: reg(qb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
+        ("out_b direct", REG_DENSE, lambda c: reg(outb, x8k, b, config=c)),
+        ("qa+kv rms direct", REG_DENSE,
+         lambda c: reg(qakv, x4k, b, config=c, epi=K.MV_RMS, aux=nw4k, clamp=1e-6)),
+        ("out_a g8 direct", REG_DENSE, lambda c: reg(outa, x8, b, ids=gids, k_slots=8, config=c)),
         ("down+sh xq", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
-         lambda c: K.mv(down, mid7_q, b, **moe, epi=K.MV_SUM, shared=sd, config=c, xq=True)),
+         lambda c: staged(down, mid7_q, b, **moe, epi=K.MV_SUM, shared=sd, config=c, xq=True)),
     ]
     plans = [(name, [None] if default else given or cs, f) for name, cs, f in plans if not only or name in only]
     out = [(name, c, (lambda f=f, c=c: f(c))) for name, cs, f in plans for c in cs]

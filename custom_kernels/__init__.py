@@ -20,6 +20,7 @@ Kernels:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -83,19 +84,22 @@ MV_XQ_TYPES = (QT.Q8_0, QT.Q2_K, QT.IQ2_XXS)
 class RegLaunch(NamedTuple):
     """The routed experts' launch of one epilogue that reads weights straight into registers (mv_reg.body)."""
 
-    types: tuple  # the routed and shared weights' types it decodes
+    types: tuple  # the weights' types it decodes (routed and shared)
     xq: bool  # x quantized (kernels.quantize_x) or f32
-    config: tuple[int, int]  # (NR, NSG)
+    gathers: tuple[bool, ...]  # dense and/or expert-gathered
+    config: tuple[int, int, int]  # (NR, NSG, RG)
     backends: tuple[str, ...]  # where it replaces mv.body's launch by default
 
 
-#: H200 (ncu), gate+up of 6 routed pairs of 2048 × 4096 IQ2_XXS and the Q8_0 shared pair: (4, 2) 36.3 µs,
-#: (4, 4) 39.6, (8, 2) 44.0, (2, 4) 44.9; mv.body's launch 43.6 at its default (benchmarks/RESULTS.md,
-#: twenty-seventh session). The down sum (Q2_K + the Q8_0 shared down) is not measured yet: mv.body's by
-#: default. Metal keeps mv.body (not measured there).
+#: The matvecs mv_reg.body runs, per epilogue. H200 (ncu), gate+up of 6 routed pairs of 2048 × 4096 IQ2_XXS
+#: and the Q8_0 shared pair: (4, 2) 36.3 µs, (4, 4) 39.6, (8, 2) 44.0, (2, 4) 44.9; mv.body's launch 43.6 at
+#: its default (benchmarks/RESULTS.md, twenty-seventh session). The others (the routed down sum, the dense and
+#: grouped Q8_0 matvecs) are not measured yet: mv.body's by default. Metal keeps mv.body (not measured there).
 MV_REG = {
-    MV_SWIGLU: RegLaunch((QT.IQ2_XXS, QT.Q8_0), True, (4, 2), ("cuda", "sim")),
-    MV_SUM: RegLaunch((QT.Q2_K, QT.Q8_0), False, (4, 2), ()),
+    MV_PLAIN: RegLaunch((QT.Q8_0,), False, (False, True), (4, 2, 1), ()),
+    MV_SWIGLU: RegLaunch((QT.IQ2_XXS, QT.Q8_0), True, (True,), (4, 2, 1), ("cuda", "sim")),
+    MV_SUM: RegLaunch((QT.Q2_K, QT.Q8_0), False, (True,), (4, 2, 1), ()),
+    MV_RMS: RegLaunch((QT.Q8_0,), False, (False,), (4, 2, 1), ()),
 }
 
 INPUTS = {
@@ -317,10 +321,12 @@ def mv_template(
             ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)), ("XQ", bool(xq)))
 
 
-def mv_reg_template(qtype: QT, nr: int, nsg: int, epi: int, shared_qt: QT | None = None) -> tuple:
-    """mv_reg.body's template: the routed type, the launch shape, the epilogue, the shared expert's type."""
-    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("EPI", epi), ("SH", shared_qt is not None),
-            ("SQT", int(qtype if shared_qt is None else shared_qt)))  # fmt: skip
+def mv_reg_template(
+    qtype: QT, nr: int, nsg: int, rg: int, gather: bool, epi: int, shared_qt: QT | None = None
+) -> tuple:  # fmt: skip
+    """mv_reg.body's template: the weight type, the launch shape, the epilogue, the shared expert's type."""
+    return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("RG", rg), ("GATHER", bool(gather)), ("EPI", epi),
+            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)))  # fmt: skip
 
 
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
@@ -347,9 +353,9 @@ def instantiations() -> list[Instantiation]:
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
     for epi, reg in MV_REG.items():
-        for qt in reg.types:
-            for sh in (None, MV_SHARED_TYPE):
-                out.append(Instantiation("mv_reg", mv_reg_template(qt, *reg.config, epi, sh)))
+        for qt, gather in itertools.product(reg.types, reg.gathers):
+            for sh in (None, MV_SHARED_TYPE) if epi in (MV_SWIGLU, MV_SUM) else (None,):
+                out.append(Instantiation("mv_reg", mv_reg_template(qt, *reg.config, gather, epi, sh)))
     return out
 
 
@@ -469,9 +475,9 @@ def mv(
     the T shared rows last (no route weight). Sum: ``x2`` is that ``[P + T, in]``, ``shared`` the down weight
     ``[out, in]``, and each token's shared product joins its sum.
 
-    ``direct``: run a gathered SwiGLU or sum launch as mv_reg.body, which reads the weights straight into
-    registers (``config``: its ``(NR, NSG)``), where ``MV_REG`` has the epilogue's types and x's form and K % 64
-    == 0; default on the epilogue's ``MV_REG`` backends.
+    ``direct``: run the launch as mv_reg.body, which reads the weights straight into registers (``config``:
+    its ``(NR, NSG[, RG])``), where ``MV_REG`` has the epilogue with these types, x's form and gathering, and
+    K % 64 == 0; default on the epilogue's ``MV_REG`` backends.
     """
     gather = ids is not None
     if shared is not None:
@@ -500,7 +506,7 @@ def mv(
     if xq and (epi == MV_RMS or qw.qtype not in MV_XQ_TYPES or shared_qt not in (None, *MV_XQ_TYPES)):
         raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
     reg = MV_REG.get(epi)
-    fits_reg = (reg is not None and gather and xq == reg.xq and qw.shape[-1] % 64 == 0
+    fits_reg = (reg is not None and gather in reg.gathers and xq == reg.xq and qw.shape[-1] % 64 == 0
                 and {qw.qtype, shared_qt or qw.qtype} <= set(reg.types))  # fmt: skip
     if direct and not fits_reg:
         raise ValueError(f"mv: no launch of mv_reg.body for {qw!r} (shared {shared_qt}, epilogue {epi}, xq {xq}): "
@@ -545,9 +551,10 @@ def _mv_plan(
     per_slot = int(gather and n_x == P and k_slots > 1)
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, has_aux, x_off, ip)
     if direct:
-        nr, nsg = config[:2] if config else MV_REG[epi].config
-        template = list(mv_reg_template(qw.qtype, nr, nsg, epi, shared_qt))
-        return "mv_reg", wb, params, template, (-(-n_out // nr) * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
+        nr, nsg, rg = (*config, 1)[:3] if config else MV_REG[epi].config
+        template = list(mv_reg_template(qw.qtype, nr, nsg, rg, gather, epi, shared_qt))
+        grid = (-(-n_out // (nr * rg)) * 32 * nsg, 1, rows)
+        return "mv_reg", wb, params, template, grid, (32 * nsg, 1, 1), (rows, n_out)
     nr, nsg, ks = config or mv_config(qw.qtype, n_out, rows, epi, n_in)
     if nsg % ks:
         raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")

@@ -88,12 +88,12 @@ DS_FN float ds_reg_dot_f(int qt, const DS_THR uint32_t* raw, const DS_THR float*
 }
 
 // One pair's rows: acc[r] (r < NR: rows r0 + r of wa; then, NW == 2, of wb) += the row's dot with x (row xr:
-// quantized if XQ, else f32) over the units this thread takes (tid, tid + tpb, ...). Rows past n_out read row
-// n_out - 1 (unused).
-template <int QX, int NR, int NW, bool XQ>
+// quantized if XQ, else f32; RMS: times the norm weight nw, with Σx² into ssq) over the units this thread takes
+// (tid, tid + tpb, ...). Rows past n_out read row n_out - 1 (unused).
+template <int QX, int NR, int NW, bool XQ, bool RMS>
 DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0, uint32_t n_out,
-                       uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr, const DS_TG uint32_t* tabs,
-                       DS_THR float* acc) {
+                       uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr, const DS_DEV float* nw,
+                       const DS_TG uint32_t* tabs, DS_THR float* acc, DS_THR float& ssq) {
   for (uint32_t u = tid; u < n_in / 32; u += tpb) {
     uint32_t raw[NW * NR][DS_REG_RAW(QX)];  // every row's bytes of unit u first: NW·NR loads in flight
 #pragma unroll
@@ -103,9 +103,11 @@ DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint3
     }
     if (XQ) {
       const uint4 qa = ((const DS_DEV uint4*)xr)[2 * u], qb = ((const DS_DEV uint4*)xr)[2 * u + 1];
-      const uint4 ra = ((const DS_DEV uint4*)(xr + n_in / 4))[2 * u], rc = ((const DS_DEV uint4*)(xr + n_in / 4))[2 * u + 1];
+      const DS_DEV uint4* xr4 = (const DS_DEV uint4*)(xr + n_in / 4);  // the remainder words
+      const uint4 ra = xr4[2 * u], rc = xr4[2 * u + 1];
       const float4 xd = ((const DS_DEV float4*)(xr + n_in / 2))[u];
-      const uint32_t q[16] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w, ra.x, ra.y, ra.z, ra.w, rc.x, rc.y, rc.z, rc.w};
+      const uint32_t q[16] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w,
+                              ra.x, ra.y, ra.z, ra.w, rc.x, rc.y, rc.z, rc.w};
       const float d[4] = {xd.x, xd.y, xd.z, xd.w};
 #pragma unroll
       for (int r = 0; r < NW * NR; ++r) acc[r] += ds_reg_dot_q(QX, raw[r], q, d, tabs);
@@ -113,7 +115,12 @@ DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint3
       float x[32], xs[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float4 t = ((const DS_DEV float4*)(xr + 32 * u))[i];
+        float4 t = ((const DS_DEV float4*)(xr + 32 * u))[i];
+        if (RMS) {  // Σx² of x itself; the dots take x·nw (1/rms scales the row sums)
+          const float4 n = ((const DS_DEV float4*)(nw + 32 * u))[i];
+          ssq = DS_FMA(t.w, t.w, DS_FMA(t.z, t.z, DS_FMA(t.y, t.y, DS_FMA(t.x, t.x, ssq))));
+          t.x *= n.x; t.y *= n.y; t.z *= n.z; t.w *= n.w;
+        }
         x[4 * i] = t.x; x[4 * i + 1] = t.y; x[4 * i + 2] = t.z; x[4 * i + 3] = t.w;
         xs[i >> 2] += (t.x + t.y) + (t.z + t.w);
       }

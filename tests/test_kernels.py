@@ -309,6 +309,36 @@ def test_mv_quantized_x_moe_launches():
 
 
 @needs_gpu
+def test_mv_reg_dense_and_grouped_q8_0_launches_are_the_staged_ones():
+    """mv_reg.body's f32-x Q8_0 matvecs give mv.body's results: dense rows of x (and one token's x read in place),
+    the grouped launch (out_a: group g's rows times x's slot g), and the RMSNorm prologue; one row group or
+    three a threadgroup."""
+    rng = np.random.default_rng(33)
+    out, n_in, T, G = 37, 640, 3, 4
+    w, _ = make_weight(rng, QT.Q8_0, (out, n_in), np.float32)
+    wg, _ = make_weight(rng, QT.Q8_0, (G, out, n_in), np.float32)
+    x = mx.array(rng.standard_normal((T, n_in)).astype(np.float32) * rng.uniform(0.2, 3.0, (T, 1)).astype(np.float32))
+    xg = mx.array(rng.standard_normal((1, G, n_in)).astype(np.float32))
+    nw = mx.array(rng.uniform(0.5, 1.5, n_in).astype(np.float32))
+    wide = mx.concatenate([mx.zeros((1, 12)), x[:1]], axis=1)
+    calls = {
+        "dense": (w, x, dict()),
+        "cols": (w, kernels.Cols(wide, 12), dict()),
+        "grouped": (wg, xg, dict(ids=mx.arange(G, dtype=mx.int32), k_slots=G)),
+        "rms": (w, x, dict(epi=kernels.MV_RMS, aux=nw, clamp=1e-6)),
+        "rms cols": (w, kernels.Cols(wide, 12), dict(epi=kernels.MV_RMS, aux=nw, clamp=1e-6)),
+    }
+    for name, (wt, x2, kw) in calls.items():
+        want = np.array(kernels.mv(wt, x2, "sim", direct=False, init=NAN, **kw))
+        assert np.isfinite(want).all() and np.abs(want).max() > 0
+        for config in (None, (4, 2, 3), (2, 1)):
+            got = np.array(kernels.mv(wt, x2, "sim", direct=True, config=config, init=NAN, **kw))
+            assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (name, config)
+    with pytest.raises(ValueError, match="MV_REG"):  # a type it does not decode
+        kernels.mv(make_weight(rng, QT.Q4_K, (out, 512), np.float32)[0], x[:, :512], "sim", direct=True)
+
+
+@needs_gpu
 @pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
 @pytest.mark.parametrize("N", [1, 3, 40])
 def test_quantweight_matmul_dispatch(qt, N):
@@ -384,7 +414,8 @@ def test_gather_matmul_flat_x_and_out_shape():
 
 
 @needs_gpu
-@pytest.mark.parametrize("epi, qt", [(e, t) for e, reg in kernels.MV_REG.items() for t in reg.types],
+@pytest.mark.parametrize("epi, qt", [(e, t) for e in (kernels.MV_SWIGLU, kernels.MV_SUM)
+                                     for t in kernels.MV_REG[e].types],
                          ids=lambda v: v.name if isinstance(v, QT) else {1: "swiglu", 2: "sum"}[v])
 def test_mv_reg_launches_are_the_staged_ones(epi, qt):
     """mv_reg.body (weights straight into registers) gives mv.body's result: the gate+up SwiGLU of quantized x,
@@ -420,10 +451,11 @@ def test_mv_reg_launches_are_the_staged_ones(epi, qt):
                 kw["aux"] = mx.array(rw[:n].reshape(-1))
         x2 = kernels.Cols(wide, 8) if xs == "cols" else x if swiglu or shared is not None else x[: T * k]
         want = np.array(kernels.mv(w, x2, "sim", direct=False, **kw))
-        got = np.array(kernels.mv(w, x2, "sim", direct=True, **kw))
         rows = n * k + (n if shared is not None else 0) if swiglu else n
-        assert got.shape == want.shape == (rows, out) and np.isfinite(want).all()
-        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (shared is not None, xs, route)
+        for config in (None, (4, 2, 3)):  # and three row groups a threadgroup, the last one short
+            got = np.array(kernels.mv(w, x2, "sim", direct=True, config=config, **kw))
+            assert got.shape == want.shape == (rows, out) and np.isfinite(want).all()
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (shared is not None, xs, route, config)
         seen.append(want)
     assert np.abs(seen[0]).max() > 0 and not np.allclose(seen[0], seen[2])  # the clamp bites / the addend adds
     with pytest.raises(ValueError, match="MV_REG"):  # x of the other form: not this launch

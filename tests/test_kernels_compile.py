@@ -169,9 +169,10 @@ def test_mv_launch_plan():
     # simdgroups on them, the T shared pairs after the routed ones, a packed route (ids' pitch 2k)
     kind, _, params, template, grid, tg, out = kernels._mv_plan(
         e, "cuda", 12, 2, 6, True, None, kernels.MV_SWIGLU, 2, 10.0, QT.Q8_0, True, 0, True, True)
-    nr, nsg = kernels.MV_REG[kernels.MV_SWIGLU].config
-    assert kind == "mv_reg" and template == list(kernels.mv_reg_template(QT.IQ2_XXS, nr, nsg, kernels.MV_SWIGLU, QT.Q8_0))
-    assert grid == (-(-64 // nr) * 32 * nsg, 1, 12 + 2) and tg == (32 * nsg, 1, 1) and out == (14, 64)
+    nr, nsg, rg = kernels.MV_REG[kernels.MV_SWIGLU].config
+    want = kernels.mv_reg_template(QT.IQ2_XXS, nr, nsg, rg, True, kernels.MV_SWIGLU, QT.Q8_0)
+    assert kind == "mv_reg" and template == list(want)
+    assert grid == (-(-64 // (nr * rg)) * 32 * nsg, 1, 12 + 2) and tg == (32 * nsg, 1, 1) and out == (14, 64)
     assert np.array(params).tolist()[3:] == [6, 0, 12, int(np.float32(10.0).view(np.int32)), 2, 0, 12]
 
 
