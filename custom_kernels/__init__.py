@@ -94,9 +94,10 @@ class RegLaunch(NamedTuple):
 #: The matvecs mv_reg.body runs, per epilogue. H200 (ncu), gate+up of 6 routed pairs of 2048 × 4096 IQ2_XXS
 #: and the Q8_0 shared pair: (4, 2) 36.3 µs, (4, 4) 39.6, (8, 2) 44.0, (2, 4) 44.9; mv.body's launch 43.6 at
 #: its default (benchmarks/RESULTS.md, twenty-seventh session). The others (the routed down sum, the dense and
-#: grouped Q8_0 matvecs) are not measured yet: mv.body's by default. Metal keeps mv.body (not measured there).
+#: grouped Q8_0 and F16 matvecs) are not measured yet: mv.body's by default. Metal keeps mv.body (not measured
+#: there).
 MV_REG = {
-    MV_PLAIN: RegLaunch((QT.Q8_0,), False, (False, True), (4, 2, 1), ()),
+    MV_PLAIN: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False, True), (4, 2, 1), ()),
     MV_SWIGLU: RegLaunch((QT.IQ2_XXS, QT.Q8_0), True, (True,), (4, 2, 1), ("cuda", "sim")),
     MV_SUM: RegLaunch((QT.Q2_K, QT.Q8_0), False, (True,), (4, 2, 1), ()),
     MV_RMS: RegLaunch((QT.Q8_0,), False, (False,), (4, 2, 1), ()),

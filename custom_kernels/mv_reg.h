@@ -7,8 +7,9 @@
 //     place (17 two-byte loads otherwise; blocks are only 2-byte aligned). Where the unit starts 4-byte aligned
 //     that reads 2 bytes past it, which the next unit holds when the row bytes are a multiple of 4 (kernels.mv
 //     asks K % 64 == 0);
-//   Q2_K {its block's 32 plane bytes as 8 words, its two sub-block scales | plane << 16, d | dmin << 16}.
-#define DS_REG_RAW(qt) (qt == DS_Q8_0 ? 9 : qt == DS_Q2_K ? 10 : 3)
+//   Q2_K {its block's 32 plane bytes as 8 words, its two sub-block scales | plane << 16, d | dmin << 16};
+//   F16, BF16 {the 32 weights as 16 words}: 64 aligned bytes (row bytes 2K, a multiple of 128).
+#define DS_REG_RAW(qt) (qt == DS_Q8_0 ? 9 : qt == DS_Q2_K ? 10 : qt == DS_F16 || qt == DS_BF16 ? 16 : 3)
 DS_FN void ds_reg_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_THR uint32_t* raw) {
   if (qt == DS_Q8_0) {
     const DS_DEV uint8_t* p = row + 34u * u;
@@ -21,6 +22,13 @@ DS_FN void ds_reg_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_TH
     const uint32_t sh = mis ? 32u : 16u;  // the weights start 2 + mis bytes into w
 #pragma unroll
     for (int i = 0; i < 8; ++i) raw[1 + i] = (uint32_t)((((uint64_t)w[i + 1] << 32) | w[i]) >> sh);
+  } else if (qt == DS_F16 || qt == DS_BF16) {
+    const DS_DEV uint4* p = (const DS_DEV uint4*)(row + 64u * u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 v = p[i];
+      raw[4 * i] = v.x; raw[4 * i + 1] = v.y; raw[4 * i + 2] = v.z; raw[4 * i + 3] = v.w;
+    }
   } else if (qt == DS_Q2_K) {  // 84-byte blocks: row bytes a multiple of 4, so these loads are aligned
     const DS_DEV uint8_t* b = row + 84u * (u >> 3);
     const uint32_t r = u & 7u;
@@ -61,8 +69,20 @@ DS_FN float ds_reg_dot_q(int qt, const DS_THR uint32_t* raw, const DS_THR uint32
   return DS_F16_BITS(raw[0]) * scale * (1.0f / 128.0f) * s;
 }
 
-// Dot of a loaded unit (Q2_K, Q8_0) with x[0..31] in f32; xs[0..1] = Σx over the unit's halves (Q2_K's min terms).
+// Dot of a loaded unit (Q2_K, Q8_0, F16, BF16) with x[0..31] in f32; xs[0..1] = Σx over the unit's halves (Q2_K's
+// min terms).
 DS_FN float ds_reg_dot_f(int qt, const DS_THR uint32_t* raw, const DS_THR float* x, const DS_THR float* xs) {
+  if (qt == DS_F16 || qt == DS_BF16) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t w = raw[i];
+      const float w0 = qt == DS_F16 ? DS_F16_BITS(w & 0xffffu) : DS_U32_AS_F(w << 16);
+      const float w1 = qt == DS_F16 ? DS_F16_BITS(w >> 16) : DS_U32_AS_F(w & 0xffff0000u);
+      s = DS_FMA(w1, x[2 * i + 1], DS_FMA(w0, x[2 * i], s));
+    }
+    return s;
+  }
   if (qt == DS_Q8_0) {
     float s = 0.0f;
 #pragma unroll

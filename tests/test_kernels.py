@@ -309,14 +309,15 @@ def test_mv_quantized_x_moe_launches():
 
 
 @needs_gpu
-def test_mv_reg_dense_and_grouped_q8_0_launches_are_the_staged_ones():
-    """mv_reg.body's f32-x Q8_0 matvecs give mv.body's results: dense rows of x (and one token's x read in place),
-    the grouped launch (out_a: group g's rows times x's slot g), and the RMSNorm prologue; one row group or
+@pytest.mark.parametrize("qt", kernels.MV_REG[kernels.MV_PLAIN].types, ids=lambda q: q.name)
+def test_mv_reg_dense_and_grouped_launches_are_the_staged_ones(qt):
+    """mv_reg.body's f32-x matvecs give mv.body's results: dense rows of x (and one token's x read in place), the
+    grouped launch (out_a: group g's rows times x's slot g), and (Q8_0) the RMSNorm prologue; one row group or
     three a threadgroup."""
-    rng = np.random.default_rng(33)
+    rng = np.random.default_rng(33 + int(qt))
     out, n_in, T, G = 37, 640, 3, 4
-    w, _ = make_weight(rng, QT.Q8_0, (out, n_in), np.float32)
-    wg, _ = make_weight(rng, QT.Q8_0, (G, out, n_in), np.float32)
+    w, _ = make_weight(rng, qt, (out, n_in), np.float32)
+    wg, _ = make_weight(rng, qt, (G, out, n_in), np.float32)
     x = mx.array(rng.standard_normal((T, n_in)).astype(np.float32) * rng.uniform(0.2, 3.0, (T, 1)).astype(np.float32))
     xg = mx.array(rng.standard_normal((1, G, n_in)).astype(np.float32))
     nw = mx.array(rng.uniform(0.5, 1.5, n_in).astype(np.float32))
@@ -325,9 +326,10 @@ def test_mv_reg_dense_and_grouped_q8_0_launches_are_the_staged_ones():
         "dense": (w, x, dict()),
         "cols": (w, kernels.Cols(wide, 12), dict()),
         "grouped": (wg, xg, dict(ids=mx.arange(G, dtype=mx.int32), k_slots=G)),
-        "rms": (w, x, dict(epi=kernels.MV_RMS, aux=nw, clamp=1e-6)),
-        "rms cols": (w, kernels.Cols(wide, 12), dict(epi=kernels.MV_RMS, aux=nw, clamp=1e-6)),
     }
+    if qt in kernels.MV_REG[kernels.MV_RMS].types:
+        calls["rms"] = (w, x, dict(epi=kernels.MV_RMS, aux=nw, clamp=1e-6))
+        calls["rms cols"] = (w, kernels.Cols(wide, 12), dict(epi=kernels.MV_RMS, aux=nw, clamp=1e-6))
     for name, (wt, x2, kw) in calls.items():
         want = np.array(kernels.mv(wt, x2, "sim", direct=False, init=NAN, **kw))
         assert np.isfinite(want).all() and np.abs(want).max() > 0
