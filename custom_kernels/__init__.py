@@ -11,6 +11,9 @@ Kernels:
 - ``mv``: decode matvec for a few tokens, dense or expert-gathered (``mul_mv_id``): f32 activations, weights
   decoded exactly in registers, f32 accumulation (QUANTS.md §2.5); epilogues for the MoE (the SwiGLU of gate
   and up read in one launch, the sum of a token's routed experts).
+- ``mv_reg``: the same results for the types and epilogues of ``MV_REG``, each thread reading its rows' bytes
+  straight into registers instead of staging spans in threadgroup memory; where measured faster (the routed
+  gate+up with quantized x on CUDA), ``mv`` dispatches to it.
 - ``mm``: tiled prefill matmul, dense or expert-gathered (``mul_mm_id`` over a sorted pair list): bf16 tiles,
   f32 accumulation (QUANTS.md §8 ruling 2).
 - Q8_0 2-D weights can instead run through MLX's own affine 8-bit kernels after a lossless repack
@@ -82,7 +85,7 @@ MV_XQ_TYPES = (QT.Q8_0, QT.Q2_K, QT.IQ2_XXS)
 
 
 class RegLaunch(NamedTuple):
-    """The routed experts' launch of one epilogue that reads weights straight into registers (mv_reg.body)."""
+    """What mv_reg.body (weights read straight into registers) runs of one matvec epilogue."""
 
     types: tuple  # the weights' types it decodes (routed and shared)
     xq: bool  # x quantized (kernels.quantize_x) or f32

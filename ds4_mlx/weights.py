@@ -139,8 +139,6 @@ class QuantWeight:
         mx.eval([w.data for w in parts])
         return parts
 
-    # --- properties -------------------------------------------------------------------------------------
-
     def derived(self, key: Any, make: Callable[[], Any]) -> Any:
         """The form of this weight that ``make()`` returns (arrays, evaluated here), made once and kept under
         ``key``. Made under :data:`EVAL_LOCK`: a first use may come while a worker evaluates decode steps."""
@@ -151,6 +149,8 @@ class QuantWeight:
                 mx.eval(got)
             self._cache[key] = got
         return got
+
+    # --- properties -------------------------------------------------------------------------------------
 
     @property
     def nbytes(self) -> int:
