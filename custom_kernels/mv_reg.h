@@ -1,5 +1,5 @@
-// mv_reg.h: helpers of the routed experts' decode launches that read weights straight into registers
-// (mv_reg.body), after ds_quant.h in its `header`.
+// mv_reg.h: helpers of the decode matvecs that read weights straight into registers (mv_reg.body), after
+// ds_quant.h in its `header`.
 
 // Unit u (32 weights) of a row, read straight from device memory into DS_REG_RAW words:
 //   IQ2_XXS {scale bits, grid-index word, sign word};

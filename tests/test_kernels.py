@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 from ds4_mlx import quants
 from ds4_mlx.weights import QuantWeight, _kernels
 from kernel_util import (
-    BACKEND, gpu_only, kernel_backend_set, load_benchmark, make_weight, needs_gpu, quantize_x_octets,
+    BACKEND, gpu_only, kernel_backend_set, make_weight, needs_gpu, quantize_x_octets,
 )  # fmt: skip
 
 kernels = _kernels()
