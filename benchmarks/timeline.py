@@ -7,7 +7,8 @@
 ``run`` builds the model at the full shape (random q2 weights, as benchmarks/model.py), prefills ``--ctx``
 tokens, warms the decode up, then times ``--steps`` pipelined decode steps twice: once untraced, once between
 ``cuProfilerStart`` and ``cuProfilerStop`` (the capture range). ``analyze`` reads the capture and reports:
-the device's busy time (the union of its kernels, copies and sets) against the wall time, the idle gaps
+the device's busy time (the union of its kernels, copies and sets) against the wall time, each kernel's share
+of it (every instant split among the kernels running then), the idle gaps
 between them by size, and for each gap whether the host was late (the API call that queued the next work
 began after the device had gone idle: the device waited on the host) or not (device-side latency: graph
 launch, dependency resolution, memory faults). Also the CUDA graphs launched, instantiated and updated in place
@@ -52,6 +53,9 @@ def run(layers: int | None, ctx: int, steps: int) -> None:
     decode_seconds(sess, 8, pipelined=False)
     decode_seconds(sess, 8, pipelined=True)
     plain, split = decode_seconds(sess, steps, pipelined=True)
+    # printed before the capture: nsys ends the process at cuProfilerStop unless --capture-range-end=stop
+    print(f"{cfg.n_layer} layers, ctx {sess.pos}: pipelined decode {plain * 1e3:.2f} ms/token untraced "
+          f"(build/encode/wait ms {split['build']:.1f}/{split['encode']:.1f}/{split['wait']:.1f})", flush=True)
     cuda = ctypes.CDLL("libcuda.so.1")  # the driver's profiler switch; MLX made the context current
     mx.synchronize()
     cuda.cuProfilerStart()
@@ -60,9 +64,7 @@ def run(layers: int | None, ctx: int, steps: int) -> None:
     mx.synchronize()
     wall = time.perf_counter() - t0
     cuda.cuProfilerStop()
-    print(f"{cfg.n_layer} layers, ctx {sess.pos}: pipelined decode {plain * 1e3:.2f} ms/token untraced "
-          f"(build/encode/wait ms {split['build']:.1f}/{split['encode']:.1f}/{split['wait']:.1f}), "
-          f"{traced * 1e3:.2f} ms/token traced; capture {wall * 1e3:.1f} ms for {steps} steps", flush=True)
+    print(f"{traced * 1e3:.2f} ms/token traced; capture {wall * 1e3:.1f} ms for {steps} steps", flush=True)
 
 
 def _columns(db: sqlite3.Connection, table: str) -> set[str]:
@@ -71,6 +73,22 @@ def _columns(db: sqlite3.Connection, table: str) -> set[str]:
 
 def _tables(db: sqlite3.Connection) -> set[str]:
     return {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+
+def attributed(acts: list[tuple]) -> collections.Counter:
+    """Each activity name's share of the device's busy time: every instant split evenly among the activities
+    running then, so the shares sum to the busy time (a kernel that overlaps another costs half while they do)."""
+    edges = sorted([(a[0], 1, i) for i, a in enumerate(acts)] + [(a[1], -1, i) for i, a in enumerate(acts)])
+    share: collections.Counter = collections.Counter()
+    running: set[int] = set()
+    last = edges[0][0]
+    for t, kind, i in edges:
+        if running and t > last:
+            for j in running:
+                share[acts[j][3]] += (t - last) / len(running)
+        last = t
+        (running.add if kind == 1 else running.discard)(i)
+    return share
 
 
 def analyze(path: Path, steps: int | None, top: int) -> None:
@@ -138,13 +156,17 @@ def analyze(path: Path, steps: int | None, top: int) -> None:
     for (b, a), t in pair.most_common(15):
         print(f"  {t / 1e6:7.2f}  {b} -> {a}")
 
-    ktime, kcount = collections.Counter(), collections.Counter()
+    ktime, kcount, share = collections.Counter(), collections.Counter(), attributed(acts)
     for a in acts:
         ktime[a[3]] += a[1] - a[0]
         kcount[a[3]] += 1
-    print(f"\ndevice time by kernel, top 25 (sum {sum(ktime.values()) / 1e6:.2f} ms)")
-    for k, t in ktime.most_common(25):
-        print(f"  {t / 1e6:7.2f} ms {kcount[k]:6d}x  {k[:90]}")
+    div = steps or 1
+    print(f"\ndevice time by kernel, top 30 ({'ms a step' if steps else 'ms'}): 'shared' splits each instant among the "
+          f"activities running then (sums to the busy time, {busy / div / 1e6:.2f}); 'span' is start to end "
+          f"(sum {sum(ktime.values()) / div / 1e6:.2f}: a CUDA graph runs independent kernels side by side)")
+    for k, t in share.most_common(30):
+        print(f"  {t / div / 1e6:7.3f} shared {ktime[k] / div / 1e6:7.3f} span {kcount[k] / div:7.1f}x  "
+              f"{ktime[k] / kcount[k] / 1e3:7.1f} us each  {k[:70]}")
     # MLX-CUDA launches a cached CUDA graph after updating it in place (~0.1 ms) when the topology is one it has
     # seen; a new topology is instantiated (1-3 ms on the H200; benchmarks/RESULTS.md, twentieth session)
     graph = {op: [(n, t) for n, t in api_total.items() if n.startswith(f"cudaGraph{op}")]

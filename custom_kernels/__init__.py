@@ -12,8 +12,8 @@ Kernels:
   decoded exactly in registers, f32 accumulation (QUANTS.md §2.5); epilogues for the MoE (the SwiGLU of gate
   and up read in one launch, the sum of a token's routed experts).
 - ``mv_reg``: the same results for the types and epilogues of ``MV_REG``, each thread reading its rows' bytes
-  straight into registers instead of staging spans in threadgroup memory; where measured faster (the routed
-  gate+up with quantized x on CUDA), ``mv`` dispatches to it.
+  straight into registers instead of staging spans in threadgroup memory; where measured faster on CUDA (the
+  routed gate+up with quantized x, the F16 matvecs), ``mv`` dispatches to it.
 - ``mm``: tiled prefill matmul, dense or expert-gathered (``mul_mm_id`` over a sorted pair list): bf16 tiles,
   f32 accumulation (QUANTS.md §8 ruling 2).
 - Q8_0 2-D weights can instead run through MLX's own affine 8-bit kernels after a lossless repack
@@ -90,21 +90,36 @@ class RegLaunch(NamedTuple):
     types: tuple  # the weights' types it decodes (routed and shared)
     xq: bool  # x quantized (kernels.quantize_x) or f32
     gathers: tuple[bool, ...]  # dense and/or expert-gathered
-    config: tuple[int, int, int]  # (NR, NSG, RG)
-    backends: tuple[str, ...]  # where it replaces mv.body's launch by default
+    config: tuple[int, int, int]  # (NR, NSG, RG); rows of at most MV_REG_SHORT_K weights take NSG 1
+    backends: tuple[str, ...]  # where it replaces mv.body's launch by default ...
+    on: tuple  # ... for weights of these types
 
 
-#: The matvecs mv_reg.body runs, per epilogue. H200 (ncu), gate+up of 6 routed pairs of 2048 × 4096 IQ2_XXS
-#: and the Q8_0 shared pair: (4, 2) 36.3 µs, (4, 4) 39.6, (8, 2) 44.0, (2, 4) 44.9; mv.body's launch 43.6 at
-#: its default (benchmarks/RESULTS.md, twenty-seventh session). The others (the routed down sum, the dense and
-#: grouped Q8_0 and F16 matvecs) are not measured yet: mv.body's by default. Metal keeps mv.body (not measured
-#: there).
+#: The matvecs mv_reg.body runs, per epilogue. H200, Nsight Compute, µs against mv.body's launch at its default
+#: (benchmarks/RESULTS.md, twenty-seventh and twenty-eighth sessions):
+#: - gate+up of 6 routed pairs of 2048 × 4096 IQ2_XXS and the Q8_0 shared pair: (4, 2, 2) 34.3, (4, 2, 1) 40.4
+#:   (36.3 in the session before), (4, 4, 1) 39.4; mv.body 43.5;
+#: - F16: the router 256 × 4096 5.9 against 6.3, the ratio-4 stack 2112 × 4096 8.8 against 11.2, the ratio-128
+#:   projection 1024 × 4096 7.0 against 7.6 (all (4, 4, 1)); the indexer's q_b 8192 × 1024 8.8 at (4, 1, 1)
+#:   against 11.5, but 13.2 at (4, 4, 1): short rows run one simdgroup a row group;
+#: - slower than mv.body, so off: the Q8_0 dense and grouped launches (q_b 25.9 against 23.3, out_b 19.4 against
+#:   17.3, out_a 21.7 against 18.4, q_a+kv 9.4 against 7.5) and the routed down sum (33.9 against 30.8).
+#: Metal keeps mv.body (not measured there); BF16 is not measured.
 MV_REG = {
-    MV_PLAIN: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False, True), (4, 2, 1), ()),
-    MV_SWIGLU: RegLaunch((QT.IQ2_XXS, QT.Q8_0), True, (True,), (4, 2, 1), ("cuda", "sim")),
-    MV_SUM: RegLaunch((QT.Q2_K, QT.Q8_0), False, (True,), (4, 2, 1), ()),
-    MV_RMS: RegLaunch((QT.Q8_0,), False, (False,), (4, 2, 1), ()),
+    MV_PLAIN: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False, True), (4, 4, 1), ("cuda", "sim"), (QT.F16,)),
+    MV_SWIGLU: RegLaunch((QT.IQ2_XXS, QT.Q8_0), True, (True,), (4, 2, 2), ("cuda", "sim"), (QT.IQ2_XXS, QT.Q8_0)),
+    MV_SUM: RegLaunch((QT.Q2_K, QT.Q8_0), False, (True,), (4, 2, 1), (), ()),
+    MV_RMS: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False,), (4, 4, 1), ("cuda", "sim"), (QT.F16,)),
 }
+#: Rows of at most this many weights: one simdgroup a row group (a thread has few units of a row to load).
+MV_REG_SHORT_K = 1024
+
+
+def reg_config(epi: int, n_in: int) -> tuple[int, int, int]:
+    """mv_reg.body's default (NR, NSG, RG) for rows of ``n_in`` weights."""
+    nr, nsg, rg = MV_REG[epi].config
+    return (nr, 1, rg) if n_in <= MV_REG_SHORT_K else (nr, nsg, rg)
+
 
 INPUTS = {
     "mv": ["w", "x", "ids", "params", "w2", "aux", "ws"],
@@ -359,7 +374,8 @@ def instantiations() -> list[Instantiation]:
     for epi, reg in MV_REG.items():
         for qt, gather in itertools.product(reg.types, reg.gathers):
             for sh in (None, MV_SHARED_TYPE) if epi in (MV_SWIGLU, MV_SUM) else (None,):
-                out.append(Instantiation("mv_reg", mv_reg_template(qt, *reg.config, gather, epi, sh)))
+                for config in {reg_config(epi, n) for n in (MV_REG_SHORT_K, 2 * MV_REG_SHORT_K)}:
+                    out.append(Instantiation("mv_reg", mv_reg_template(qt, *config, gather, epi, sh)))
     return out
 
 
@@ -481,7 +497,7 @@ def mv(
 
     ``direct``: run the launch as mv_reg.body, which reads the weights straight into registers (``config``:
     its ``(NR, NSG[, RG])``), where ``MV_REG`` has the epilogue with these types, x's form and gathering, and
-    K % 64 == 0; default on the epilogue's ``MV_REG`` backends.
+    K % 64 == 0; default on the epilogue's ``MV_REG`` backends for its ``on`` types.
     """
     gather = ids is not None
     if shared is not None:
@@ -515,7 +531,7 @@ def mv(
     if direct and not fits_reg:
         raise ValueError(f"mv: no launch of mv_reg.body for {qw!r} (shared {shared_qt}, epilogue {epi}, xq {xq}): "
                          f"see MV_REG, and K % 64 == 0")  # fmt: skip
-    direct = fits_reg and (backend in reg.backends if direct is None else direct)
+    direct = fits_reg and (backend in reg.backends and qw.qtype in reg.on if direct is None else direct)
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
     has_aux = 2 if route_packed and epi == MV_SWIGLU else int(aux is not None)
     key = (backend, P, n_x, k_slots, gather, config, epi, has_aux, clamp, shared_qt, xq, x_off, route_packed, direct)
@@ -555,7 +571,7 @@ def _mv_plan(
     per_slot = int(gather and n_x == P and k_slots > 1)
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, has_aux, x_off, ip)
     if direct:
-        nr, nsg, rg = (*config, 1)[:3] if config else MV_REG[epi].config
+        nr, nsg, rg = (*config, 1)[:3] if config else reg_config(epi, n_in)
         template = list(mv_reg_template(qw.qtype, nr, nsg, rg, gather, epi, shared_qt))
         grid = (-(-n_out // (nr * rg)) * 32 * nsg, 1, rows)
         return "mv_reg", wb, params, template, grid, (32 * nsg, 1, 1), (rows, n_out)

@@ -169,11 +169,43 @@ def test_mv_launch_plan():
     # simdgroups on them, the T shared pairs after the routed ones, a packed route (ids' pitch 2k)
     kind, _, params, template, grid, tg, out = kernels._mv_plan(
         e, "cuda", 12, 2, 6, True, None, kernels.MV_SWIGLU, 2, 10.0, QT.Q8_0, True, 0, True, True)
-    nr, nsg, rg = kernels.MV_REG[kernels.MV_SWIGLU].config
+    nr, nsg, rg = kernels.reg_config(kernels.MV_SWIGLU, 256)
     want = kernels.mv_reg_template(QT.IQ2_XXS, nr, nsg, rg, True, kernels.MV_SWIGLU, QT.Q8_0)
     assert kind == "mv_reg" and template == list(want)
     assert grid == (-(-64 // (nr * rg)) * 32 * nsg, 1, 12 + 2) and tg == (32 * nsg, 1, 1) and out == (14, 64)
     assert np.array(params).tolist()[3:] == [6, 0, 12, int(np.float32(10.0).view(np.int32)), 2, 0, 12]
+
+
+def test_mv_dispatches_f16_matvecs_to_mv_reg_on_cuda(monkeypatch):
+    """On CUDA, dense F16 matvecs (plain and with the RMSNorm prologue) run mv_reg.body, with one simdgroup a
+    row group for rows of at most MV_REG_SHORT_K weights; Q8_0 dense matvecs stay on mv.body; Metal keeps mv.body."""
+    launched = []
+
+    def fake_kernel(kind, backend, iq2):
+        def launch(**kw):
+            launched.append((kind, dict(kw["template"]), kw["threadgroup"]))
+            return [mx.zeros(kw["output_shapes"][0])]
+        return launch
+
+    import mlx.core as mx
+    import numpy as np
+
+    from ds4_mlx.random_model import random_quant_weight
+
+    monkeypatch.setattr(kernels, "get_kernel", fake_kernel)
+    rng = np.random.default_rng(4)
+    for n_in, nsg in ((1024, 1), (4096, kernels.MV_REG[kernels.MV_PLAIN].config[1])):
+        x, nw = mx.array(rng.standard_normal((1, n_in)).astype(np.float32)), mx.ones((n_in,))
+        for qt, kind in ((QT.F16, "mv_reg"), (QT.Q8_0, "mv")):
+            w = random_quant_weight(qt, (96, n_in), 0.02)
+            for backend, want in (("cuda", kind), ("metal", "mv")):
+                for kw in (dict(), dict(epi=kernels.MV_RMS, aux=nw, clamp=1e-6)):
+                    launched.clear()
+                    kernels.mv(w, x, backend, **kw)
+                    got, template, tg = launched[0]
+                    assert got == want, (n_in, qt, backend, kw)
+                    if want == "mv_reg":
+                        assert template["NSG"] == nsg and tg == (32 * nsg, 1, 1)
 
 
 # --- source size: MLX hashes each custom kernel's whole source at every launch ---------------------------
