@@ -12,8 +12,8 @@ whole length to the step and a deeper queue would change nothing; if the device 
 into the host's wait. Then what the package's generation loop adds to ``lag2``: ids drawn by ds4's default
 sampler on the device (``lag2 sampler``), a rewind point per queued step (``lag2 snapshots``:
 ``Session.rewind_point``), both, and ``decode_tokens`` itself (at its defaults: on CUDA, from an encoder thread).
-``lag2 thread`` / ``lag1 thread`` queue the bare loop's steps from a ``StepEncoder`` thread, so MLX's encode
-of a step overlaps the Python that builds the next; ``lag2 thread sampler`` / ``snapshots`` / both add what
+``lag2 thread`` / ``lag1 thread`` / ``lag3 thread`` / ``nowait thread`` queue the bare loop's steps from a
+``StepEncoder`` thread, so MLX's encode of a step overlaps the Python that builds the next; ``lag2 thread sampler`` / ``snapshots`` / both add what
 ``decode_tokens`` adds. Reported per variant: ms/token, the host's ms/token spent waiting for a token (not split
 out for ``decode_tokens``; with a thread, the wait includes the encoder's), and the CPU ms/token of the calling
 thread and of the encoder thread (waits excluded).
@@ -43,6 +43,7 @@ VARIANTS = {"lag1": dict(lag=1), "lag1+3ms": dict(lag=1, delay=0.003), "lag1+6ms
             "lag2 sampler+snapshots": dict(lag=2, sampler=True, snapshots=True),
             "decode_tokens": dict(lag=2, loop=True),  # at generate.DEFAULT_LAG (2)
             "lag2 thread": dict(lag=2, thread=True), "lag1 thread": dict(lag=1, thread=True),
+            "lag3 thread": dict(lag=3, thread=True), "nowait thread": dict(lag=None, thread=True),
             "lag2 thread sampler": dict(lag=2, thread=True, sampler=True),
             "lag2 thread snapshots": dict(lag=2, thread=True, snapshots=True),
             "lag2 thread sampler+snapshots": dict(lag=2, thread=True, sampler=True, snapshots=True)}
