@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv rms", "out_b", "out_a g8",
             "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "gateup+sh xq direct", "down+sh direct", "q_b rms direct",
             "out_b direct", "qa+kv rms direct", "out_a g8 direct", "router f16 direct", "f16 r4 stack direct",
-            "idx q_b f16 direct", "f16 r128 comp direct", "idx q_b rms f16", "idx q_b rms f16 direct", "down+sh xq", "router f16", "f16 r128 comp", "attn"]
+            "idx q_b f16 direct", "f16 r128 comp direct", "idx q_b rms f16", "idx q_b rms f16 direct", "down+sh xq",
+            "router f16", "f16 r128 comp", "attn"]
 
 
 def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
@@ -140,7 +141,8 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
         ("idx q_b f16 direct", REG_DENSE, lambda c: reg(iqb, x1k, b, config=c)),
         ("f16 r128 comp direct", REG_DENSE, lambda c: reg(f16r128, x4k, b, config=c)),
         # the indexer's q_b as the model runs it: F16 with the RMSNorm prologue
-        ("idx q_b rms f16", configs("F16"), lambda c: staged(iqb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
+        ("idx q_b rms f16", configs("F16"),
+         lambda c: staged(iqb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
         ("idx q_b rms f16 direct", REG_DENSE,
          lambda c: reg(iqb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
         ("down+sh xq", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),

@@ -13,10 +13,10 @@ into the host's wait. Then what the package's generation loop adds to ``lag2``: 
 sampler on the device (``lag2 sampler``), a rewind point per queued step (``lag2 snapshots``:
 ``Session.rewind_point``), both, and ``decode_tokens`` itself (at its defaults: on CUDA, from an encoder thread).
 ``lag2 thread`` / ``lag1 thread`` / ``lag3 thread`` / ``nowait thread`` queue the bare loop's steps from a
-``StepEncoder`` thread, so MLX's encode of a step overlaps the Python that builds the next; ``lag2 thread sampler`` / ``snapshots`` / both add what
-``decode_tokens`` adds. Reported per variant: ms/token, the host's ms/token spent waiting for a token (not split
-out for ``decode_tokens``; with a thread, the wait includes the encoder's), and the CPU ms/token of the calling
-thread and of the encoder thread (waits excluded).
+``StepEncoder`` thread, so MLX's encode of a step overlaps the Python that builds the next; ``lag2 thread
+sampler`` / ``snapshots`` / both add what ``decode_tokens`` adds. Reported per variant: ms/token, the host's
+ms/token spent waiting for a token (not split out for ``decode_tokens``; with a thread, the wait includes the
+encoder's), and the CPU ms/token of the calling thread and of the encoder thread (waits excluded).
 """
 
 from __future__ import annotations

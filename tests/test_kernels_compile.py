@@ -179,18 +179,18 @@ def test_mv_launch_plan():
 def test_mv_dispatches_f16_matvecs_to_mv_reg_on_cuda(monkeypatch):
     """On CUDA, dense F16 matvecs (plain and with the RMSNorm prologue) run mv_reg.body, with one simdgroup a
     row group for rows of at most MV_REG_SHORT_K weights; Q8_0 dense matvecs stay on mv.body; Metal keeps mv.body."""
-    launched = []
-
-    def fake_kernel(kind, backend, iq2):
-        def launch(**kw):
-            launched.append((kind, dict(kw["template"]), kw["threadgroup"]))
-            return [mx.zeros(kw["output_shapes"][0])]
-        return launch
-
     import mlx.core as mx
     import numpy as np
 
     from ds4_mlx.random_model import random_quant_weight
+
+    launched = []
+
+    def fake_kernel(kind, backend, iq2):  # records what mv would launch
+        def launch(**kw):
+            launched.append((kind, dict(kw["template"]), kw["threadgroup"]))
+            return [mx.zeros(kw["output_shapes"][0])]
+        return launch
 
     monkeypatch.setattr(kernels, "get_kernel", fake_kernel)
     rng = np.random.default_rng(4)
