@@ -60,7 +60,7 @@ def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs
     return out
 
 
-#: (NR, NSG, RG) of the dense and grouped launches as mv_reg.body (``None``: kernels.MV_REG's).
+#: (NR, NSG, RG) of the dense and grouped launches as mv_reg.body (``None``: kernels.reg_config's).
 REG_DENSE = [None, (4, 1, 1), (8, 1, 1), (4, 1, 4), (4, 4, 1), (8, 4, 1), (4, 8, 1)]
 
 

@@ -525,13 +525,6 @@ def mv(
     shared_qt = None if shared is None else shared.qtype
     if xq and (epi == MV_RMS or qw.qtype not in MV_XQ_TYPES or shared_qt not in (None, *MV_XQ_TYPES)):
         raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
-    reg = MV_REG.get(epi)
-    fits_reg = (reg is not None and gather in reg.gathers and xq == reg.xq and qw.shape[-1] % 64 == 0
-                and {qw.qtype, shared_qt or qw.qtype} <= set(reg.types))  # fmt: skip
-    if direct and not fits_reg:
-        raise ValueError(f"mv: no launch of mv_reg.body for {qw!r} (shared {shared_qt}, epilogue {epi}, xq {xq}): "
-                         f"see MV_REG, and K % 64 == 0")  # fmt: skip
-    direct = fits_reg and (backend in reg.backends and qw.qtype in reg.on if direct is None else direct)
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
     has_aux = 2 if route_packed and epi == MV_SWIGLU else int(aux is not None)
     key = (backend, P, n_x, k_slots, gather, config, epi, has_aux, clamp, shared_qt, xq, x_off, route_packed, direct)
@@ -558,10 +551,17 @@ def mv(
 def _mv_plan(
     qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: int = 0,
     clamp: float = 0.0, shared_qt: QT | None = None, xq: bool = False, x_off: int = 0, route_packed: bool = False,
-    direct: bool = False,
+    direct: bool | None = None,
 ) -> tuple:  # fmt: skip
     """(kernel kind, weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
+    reg = MV_REG.get(epi)
+    fits_reg = (reg is not None and gather in reg.gathers and xq == reg.xq and n_in % 64 == 0
+                and {qw.qtype, shared_qt or qw.qtype} <= set(reg.types))  # fmt: skip
+    if direct and not fits_reg:
+        raise ValueError(f"mv: no launch of mv_reg.body for {qw!r} (shared {shared_qt}, epilogue {epi}, xq {xq}): "
+                         f"see MV_REG, and K % 64 == 0")  # fmt: skip
+    direct = fits_reg and (backend in reg.backends and qw.qtype in reg.on if direct is None else direct)
     wb = weight_bytes(qw)
     rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared_qt is not None else 0)  # of y
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))

@@ -312,7 +312,7 @@ def test_mv_quantized_x_moe_launches():
 @pytest.mark.parametrize("qt", kernels.MV_REG[kernels.MV_PLAIN].types, ids=lambda q: q.name)
 def test_mv_reg_dense_and_grouped_launches_are_the_staged_ones(qt):
     """mv_reg.body's f32-x matvecs give mv.body's results: dense rows of x (and one token's x read in place), the
-    grouped launch (out_a: group g's rows times x's slot g), and (Q8_0) the RMSNorm prologue."""
+    grouped launch (out_a: group g's rows times x's slot g), and the RMSNorm prologue (MV_RMS's types)."""
     rng = np.random.default_rng(33 + int(qt))
     out, n_in, T, G = 37, 640, 3, 4
     w, _ = make_weight(rng, qt, (out, n_in), np.float32)
@@ -332,7 +332,8 @@ def test_mv_reg_dense_and_grouped_launches_are_the_staged_ones(qt):
     for name, (wt, x2, kw) in calls.items():
         want = np.array(kernels.mv(wt, x2, "sim", direct=False, init=NAN, **kw))
         assert np.isfinite(want).all() and np.abs(want).max() > 0
-        for config in (None, (2, 1, 3)):  # the default; one simdgroup, three row groups (the last one short)
+        # the default (rows this short: one simdgroup); four simdgroups, three row groups (the last one short)
+        for config in (None, (2, 4, 3)):
             got = np.array(kernels.mv(wt, x2, "sim", direct=True, config=config, init=NAN, **kw))
             assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (name, config)
     with pytest.raises(ValueError, match="MV_REG"):  # a type it does not decode
