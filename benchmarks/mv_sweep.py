@@ -11,8 +11,8 @@
 
 The launches are the full-shape decode step's (one token): q_b and q_a+kv with the RMSNorm prologue, out_b,
 the grouped out_a, the ratio-4 layers' stacked F16 projections, the ratio-128 compressor's and the indexer's q_b,
-the router (256 rows: a few threadgroups, so pure latency) and the routed experts' two launches with and without
-the shared expert inside (``mv`` ``shared``); "direct" launches run as mv_reg.body instead (configs
+the router (256 rows: a few threadgroups, so pure latency), the LM head and the routed experts' two launches with
+and without the shared expert inside (``mv`` ``shared``); "direct" launches run as mv_reg.body instead (configs
 ``(NR, NSG[, RG])``). ``attn`` is ``fused.attend_one`` at V4 Flash's ratio-4 layer (64 heads of 512, a full raw
 window and the indexer's 512 of 700 rows), its config ``(NSG,)``. Each config of each launch runs twice unmeasured
 (JIT, caches), then three times; ``--summarize`` takes the median of the three per config and prints the fastest
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import itertools
 import json
 import os
@@ -40,7 +41,7 @@ PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv r
             "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "gateup+sh xq direct", "down+sh direct", "q_b rms direct",
             "out_b direct", "qa+kv rms direct", "out_a g8 direct", "router f16 direct", "f16 r4 stack direct",
             "idx q_b f16 direct", "f16 r128 comp direct", "idx q_b rms f16", "idx q_b rms f16 direct", "down+sh xq",
-            "router f16", "f16 r128 comp", "attn"]
+            "router f16", "f16 r128 comp", "attn", "lm head", "lm head direct"]
 
 
 def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs=(2, 4, 8), kss=None, ks_max=8):
@@ -61,7 +62,8 @@ def configs(qt: str, nw: int = 1, shared: str | None = None, nrs=(1, 2, 4), nsgs
 
 
 #: (NR, NSG, RG) of the dense and grouped launches as mv_reg.body (``None``: kernels.reg_config's).
-REG_DENSE = [None, (4, 1, 1), (8, 1, 1), (4, 1, 4), (4, 4, 1), (8, 4, 1), (4, 8, 1)]
+REG_DENSE = [None, (2, 1, 1), (4, 1, 1), (8, 1, 1), (4, 1, 4), (2, 2, 1), (4, 2, 1), (2, 4, 1), (4, 4, 1), (8, 4, 1),
+             (4, 8, 1)]
 
 
 def cases(only: list[str] | None = None, default: bool = False, given: list[tuple] | None = None):
@@ -84,6 +86,7 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
     qb, qakv, outb = weight("Q8_0", (32768, 1024)), weight("Q8_0", (1536, 4096)), weight("Q8_0", (4096, 8192))
     outa, f16r4, iqb = weight("Q8_0", (8, 1024, 4096)), weight("F16", (2112, 4096)), weight("F16", (8192, 1024))
     router, f16r128 = weight("F16", (256, 4096)), weight("F16", (1024, 4096))
+    lm_head = functools.lru_cache(None)(lambda: weight("Q8_0", (129280, 4096)))
     gate, up = weight("IQ2_XXS", (256, 2048, 4096)), weight("IQ2_XXS", (256, 2048, 4096))
     down, sgu, sd = weight("Q2_K", (256, 4096, 2048)), weight("Q8_0", (4096, 4096)), weight("Q8_0", (4096, 2048))
     x1k, x4k, x8k, x8 = (mx.random.normal(s) for s in ((1, 1024), (1, 4096), (1, 8192), (8, 4096)))
@@ -128,7 +131,7 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
         ("gateup+sh xq direct", [None, (4, 2, 2), (4, 2, 4), (8, 2), (2, 4), (4, 4)],
          lambda c: reg(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c,
                        xq=True)),
-        ("down+sh direct", [None, (4, 1), (8, 1), (2, 2), (8, 2), (2, 4), (4, 4)],
+        ("down+sh direct", [None, (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (2, 4), (4, 4), (2, 8), (4, 8)],
          lambda c: reg(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c)),
         # the dense and grouped Q8_0 launches as mv_reg.body: configs (NR, NSG, RG)
         ("q_b rms direct", REG_DENSE, lambda c: reg(qb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
@@ -147,6 +150,9 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
          lambda c: reg(iqb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
         ("down+sh xq", configs("Q2_K", 1, "Q8_0", nsgs=(1, 2, 4), ks_max=2),
          lambda c: staged(down, mid7_q, b, **moe, epi=K.MV_SUM, shared=sd, config=c, xq=True)),
+        # the LM head, Q8_0 129280 × 4096 (its weight made only when asked for: 0.56 GB)
+        ("lm head", configs("Q8_0"), lambda c: staged(lm_head(), x4k, b, config=c)),
+        ("lm head direct", REG_DENSE, lambda c: reg(lm_head(), x4k, b, config=c)),
     ]
     plans = [(name, [None] if default else given or cs, f) for name, cs, f in plans if not only or name in only]
     out = [(name, c, (lambda f=f, c=c: f(c))) for name, cs, f in plans for c in cs]
@@ -220,7 +226,7 @@ def summarize(ncu_csv: Path, labels_path: Path, top: int = 6) -> dict:
     for i, (name, c) in enumerate(labels):
         by[name].append((statistics.median(us[5 * i + 2 : 5 * i + 5]), "default" if c is None else tuple(c)))
     for name, v in by.items():
-        v.sort()
+        v.sort(key=lambda tc: tc[0])
         print(f"{name:<13}" + "  ".join(f"{c}: {t:.1f}" for t, c in v[:top]) + f"   (slowest {v[-1][0]:.1f})")
     return {name: [(c, round(t, 2)) for t, c in v] for name, v in by.items()}
 

@@ -102,14 +102,18 @@ class RegLaunch(NamedTuple):
 #: - F16: the router 256 × 4096 5.9 against 6.3, the ratio-4 stack 2112 × 4096 8.8 against 11.2, the ratio-128
 #:   projection 1024 × 4096 7.0 against 7.6 (all (4, 4, 1)); the indexer's q_b 8192 × 1024 8.8 at (4, 1, 1)
 #:   against 11.5, but 13.2 at (4, 4, 1): short rows run one simdgroup a row group;
-#: - slower than mv.body, so off: the Q8_0 dense and grouped launches (q_b 25.9 against 23.3, out_b 19.4 against
-#:   17.3, out_a 21.7 against 18.4, q_a+kv 9.4 against 7.5) and the routed down sum (33.9 against 30.8).
+#: - Q8_0 with x in f32, a quarter unit a thread (thirtieth session; a whole unit a thread was slower than mv.body):
+#:   q_b 32768 × 1024 with the norm 17.7 at (4, 1, 1) against 23.6, out_b 4096 × 8192 16.1 at (4, 4, 1) against
+#:   17.4, the grouped out_a 8 × 1024 × 4096 15.8 against 18.5, q_a+kv 1536 × 4096 with the norm 6.7 at (4, 8, 1)
+#:   against 7.5 (8.0 at (4, 4, 1));
+#: - slower than mv.body, so off: the routed down sum (33.9 against 30.8).
 #: Metal keeps mv.body (not measured there); BF16 is not measured.
 MV_REG = {
-    MV_PLAIN: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False, True), (4, 4, 1), ("cuda", "sim"), (QT.F16,)),
+    MV_PLAIN: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False, True), (4, 4, 1), ("cuda", "sim"),
+                        (QT.F16, QT.Q8_0)),
     MV_SWIGLU: RegLaunch((QT.IQ2_XXS, QT.Q8_0), True, (True,), (4, 2, 2), ("cuda", "sim"), (QT.IQ2_XXS, QT.Q8_0)),
     MV_SUM: RegLaunch((QT.Q2_K, QT.Q8_0), False, (True,), (4, 2, 1), (), ()),
-    MV_RMS: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False,), (4, 4, 1), ("cuda", "sim"), (QT.F16,)),
+    MV_RMS: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False,), (4, 8, 1), ("cuda", "sim"), (QT.F16, QT.Q8_0)),
 }
 #: Rows of at most this many weights: one simdgroup a row group (a thread has few units of a row to load).
 MV_REG_SHORT_K = 1024

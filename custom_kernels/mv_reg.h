@@ -3,10 +3,10 @@
 
 // Unit u (32 weights) of a row, read straight from device memory into DS_REG_RAW words:
 //   IQ2_XXS {scale bits, grid-index word, sign word};
-//   Q8_0 {scale bits, the 32 weights as 8 words}: read as the 9 aligned words that hold the unit, shifted into
-//     place (17 two-byte loads otherwise; blocks are only 2-byte aligned). Where the unit starts 4-byte aligned
-//     that reads 2 bytes past it, which the next unit holds when the row bytes are a multiple of 4 (kernels.mv
-//     asks K % 64 == 0);
+//   Q8_0 (x quantized; with x in f32 a thread reads a quarter unit, ds_reg_rows_q8) {scale bits, the 32 weights
+//     as 8 words}: read as the 9 aligned words that hold the unit, shifted into place (17 two-byte loads
+//     otherwise; blocks are only 2-byte aligned). Where the unit starts 4-byte aligned that reads 2 bytes past
+//     it, which the next unit holds when the row bytes are a multiple of 4 (kernels.mv asks K % 64 == 0);
 //   Q2_K {its block's 32 plane bytes as 8 words, its two sub-block scales | plane << 16, d | dmin << 16};
 //   F16, BF16 {the 32 weights as 16 words}: 64 aligned bytes (row bytes 2K, a multiple of 128).
 #define DS_REG_RAW(qt) (qt == DS_Q8_0 ? 9 : qt == DS_Q2_K ? 10 : qt == DS_F16 || qt == DS_BF16 ? 16 : 3)
@@ -69,8 +69,8 @@ DS_FN float ds_reg_dot_q(int qt, const DS_THR uint32_t* raw, const DS_THR uint32
   return DS_F16_BITS(raw[0]) * scale * (1.0f / 128.0f) * s;
 }
 
-// Dot of a loaded unit (Q2_K, Q8_0, F16, BF16) with x[0..31] in f32; xs[0..1] = Σx over the unit's halves (Q2_K's
-// min terms).
+// Dot of a loaded unit (Q2_K, F16, BF16) with x[0..31] in f32; xs[0..1] = Σx over the unit's halves (Q2_K's min
+// terms). (Q8_0 with x in f32 runs a quarter unit a thread: ds_reg_rows_q8.)
 DS_FN float ds_reg_dot_f(int qt, const DS_THR uint32_t* raw, const DS_THR float* x, const DS_THR float* xs) {
   if (qt == DS_F16 || qt == DS_BF16) {
     float s = 0.0f;
@@ -82,15 +82,6 @@ DS_FN float ds_reg_dot_f(int qt, const DS_THR uint32_t* raw, const DS_THR float*
       s = DS_FMA(w1, x[2 * i + 1], DS_FMA(w0, x[2 * i], s));
     }
     return s;
-  }
-  if (qt == DS_Q8_0) {
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8f((raw[1 + i] >> (8 * j)) & 255u), x[4 * i + j], s);
-    }
-    return DS_F16_BITS(raw[0]) * s;
   }
   const uint32_t sh = 2u * (raw[8] >> 16), sc0 = raw[8] & 255u, sc1 = (raw[8] >> 8) & 255u;
   float s0 = 0.0f, s1 = 0.0f;
@@ -107,13 +98,62 @@ DS_FN float ds_reg_dot_f(int qt, const DS_THR uint32_t* raw, const DS_THR float*
        - DS_F16_BITS(raw[9] >> 16) * (float(sc0 >> 4) * xs[0] + float(sc1 >> 4) * xs[1]);
 }
 
+// Q8_0 rows with x in f32, a quarter unit (8 weights) a thread, quarters tid, tid + tpb, ...: a simdgroup's loads
+// of a pass cover 8 whole units, 272 contiguous bytes of each row and 1 KB of x. (A whole unit a thread reads x
+// 128 bytes apart from lane to lane, 32 cache lines a load.) The quarter's 8 bytes start 2-byte aligned: read as
+// the aligned words that hold them (a third word only where they straddle it) and shifted into place.
+template <int NR, int NW, bool RMS>
+DS_FN void ds_reg_rows_q8(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0,
+                          uint32_t n_out, uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr,
+                          const DS_DEV float* nw, DS_THR float* acc, DS_THR float& ssq) {
+  for (uint32_t qi = tid; qi < n_in / 8; qi += tpb) {
+    const uint32_t blk = 34u * (qi >> 2), off = blk + 2u + 8u * (qi & 3u);
+    const uint32_t mis = off & 2u;  // rows start 4-byte aligned (row bytes a multiple of 68: K % 64 == 0)
+    uint32_t lo[NW * NR], hi[NW * NR];
+    float d[NW * NR];
+#pragma unroll
+    for (int r = 0; r < NW * NR; ++r) {
+      const uint32_t row = r0 + (r % NR) < n_out ? r0 + (r % NR) : n_out - 1;
+      const DS_DEV uint8_t* p = (r < NR ? wa : wb) + (uint64_t)row * rb;
+      const DS_DEV uint32_t* a = (const DS_DEV uint32_t*)(p + off - mis);
+      const uint32_t w0 = a[0], w1 = a[1], w2 = mis ? a[2] : 0u;
+      lo[r] = mis ? (w0 >> 16) | (w1 << 16) : w0;
+      hi[r] = mis ? (w1 >> 16) | (w2 << 16) : w1;
+      d[r] = DS_F16_BITS(*((const DS_DEV uint16_t*)(p + blk)));
+    }
+    float4 t0 = ((const DS_DEV float4*)(xr + 8u * qi))[0], t1 = ((const DS_DEV float4*)(xr + 8u * qi))[1];
+    if (RMS) {  // Σx² of x itself; the dots take x·nw (1/rms scales the row sums)
+      const float4 n0 = ((const DS_DEV float4*)(nw + 8u * qi))[0], n1 = ((const DS_DEV float4*)(nw + 8u * qi))[1];
+      ssq = DS_FMA(t0.w, t0.w, DS_FMA(t0.z, t0.z, DS_FMA(t0.y, t0.y, DS_FMA(t0.x, t0.x, ssq))));
+      ssq = DS_FMA(t1.w, t1.w, DS_FMA(t1.z, t1.z, DS_FMA(t1.y, t1.y, DS_FMA(t1.x, t1.x, ssq))));
+      t0.x *= n0.x; t0.y *= n0.y; t0.z *= n0.z; t0.w *= n0.w;
+      t1.x *= n1.x; t1.y *= n1.y; t1.z *= n1.z; t1.w *= n1.w;
+    }
+    const float x[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
+#pragma unroll
+    for (int r = 0; r < NW * NR; ++r) {
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8f((lo[r] >> (8 * j)) & 255u), x[j], s);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8f((hi[r] >> (8 * j)) & 255u), x[4 + j], s);
+      acc[r] = DS_FMA(d[r], s, acc[r]);
+    }
+  }
+}
+
 // One pair's rows: acc[r] (r < NR: rows r0 + r of wa; then, NW == 2, of wb) += the row's dot with x (row xr:
 // quantized if XQ, else f32; RMS: times the norm weight nw, with Σx² into ssq) over the units this thread takes
-// (tid, tid + tpb, ...). Rows past n_out read row n_out - 1 (unused).
+// (tid, tid + tpb, ...; Q8_0 with x in f32: quarter units, ds_reg_rows_q8). Rows past n_out read row n_out - 1
+// (unused).
 template <int QX, int NR, int NW, bool XQ, bool RMS>
 DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0, uint32_t n_out,
                        uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr, const DS_DEV float* nw,
                        const DS_TG uint32_t* tabs, DS_THR float* acc, DS_THR float& ssq) {
+  if (QX == DS_Q8_0 && !XQ) {
+    ds_reg_rows_q8<NR, NW, RMS>(wa, wb, rb, r0, n_out, n_in, tid, tpb, xr, nw, acc, ssq);
+    return;
+  }
   for (uint32_t u = tid; u < n_in / 32; u += tpb) {
     uint32_t raw[NW * NR][DS_REG_RAW(QX)];  // every row's bytes of unit u first: NW·NR loads in flight
 #pragma unroll

@@ -145,7 +145,7 @@ def test_mv_launch_plan():
 
     rng = np.random.default_rng(0)
     w = QuantWeight.from_numpy(random_blocks(rng, QT.Q8_0, (1024, 4096)), QT.Q8_0, (1024, 4096))
-    kind, wb, params, template, grid, tg, out = kernels._mv_plan(w, "cuda", 1, 1, 1, False, None)
+    kind, wb, params, template, grid, tg, out = kernels._mv_plan(w, "cuda", 1, 1, 1, False, None, direct=False)
     assert kind == "mv"
     assert dict(template)["KS"] == 4 and tg == (128, 1, 1) and out == (1, 1024)
     assert grid == (1024 // 4 * 128, 1, 1)  # NR=4 rows per group of KS=4 simdgroups: 256 threadgroups
@@ -176,9 +176,10 @@ def test_mv_launch_plan():
     assert np.array(params).tolist()[3:] == [6, 0, 12, int(np.float32(10.0).view(np.int32)), 2, 0, 12]
 
 
-def test_mv_dispatches_f16_matvecs_to_mv_reg_on_cuda(monkeypatch):
-    """On CUDA, dense F16 matvecs (plain and with the RMSNorm prologue) run mv_reg.body, with one simdgroup a
-    row group for rows of at most MV_REG_SHORT_K weights; Q8_0 dense matvecs stay on mv.body; Metal keeps mv.body."""
+def test_mv_dispatches_f16_and_q8_0_matvecs_to_mv_reg_on_cuda(monkeypatch):
+    """On CUDA, dense F16 and Q8_0 matvecs (plain and with the RMSNorm prologue) run mv_reg.body at their
+    epilogue's config, with one simdgroup a row group for rows of at most MV_REG_SHORT_K weights; Q4_K stays on
+    mv.body; Metal keeps mv.body."""
     import mlx.core as mx
     import numpy as np
 
@@ -194,17 +195,20 @@ def test_mv_dispatches_f16_matvecs_to_mv_reg_on_cuda(monkeypatch):
 
     monkeypatch.setattr(kernels, "get_kernel", fake_kernel)
     rng = np.random.default_rng(4)
-    for n_in, nsg in ((1024, 1), (4096, kernels.MV_REG[kernels.MV_PLAIN].config[1])):
+    for n_in in (1024, 4096):
         x, nw = mx.array(rng.standard_normal((1, n_in)).astype(np.float32)), mx.ones((n_in,))
-        for qt, kind in ((QT.F16, "mv_reg"), (QT.Q8_0, "mv")):
+        for qt, kind in ((QT.F16, "mv_reg"), (QT.Q8_0, "mv_reg"), (QT.Q4_K, "mv")):
             w = random_quant_weight(qt, (96, n_in), 0.02)
             for backend, want in (("cuda", kind), ("metal", "mv")):
-                for kw in (dict(), dict(epi=kernels.MV_RMS, aux=nw, clamp=1e-6)):
+                for epi, kw in ((kernels.MV_PLAIN, dict()), (kernels.MV_RMS, dict(aux=nw, clamp=1e-6))):
+                    if qt == QT.Q4_K and epi == kernels.MV_RMS:
+                        continue  # no RMS prologue for Q4_K
                     launched.clear()
-                    kernels.mv(w, x, backend, **kw)
+                    kernels.mv(w, x, backend, epi=epi, **kw)
                     got, template, tg = launched[0]
-                    assert got == want, (n_in, qt, backend, kw)
+                    assert got == want, (n_in, qt, backend, epi)
                     if want == "mv_reg":
+                        nsg = 1 if n_in <= kernels.MV_REG_SHORT_K else kernels.MV_REG[epi].config[1]
                         assert template["NSG"] == nsg and tg == (32 * nsg, 1, 1)
 
 
