@@ -20,3 +20,6 @@ for tree in . .device/head; do
     "gateup+sh xq direct" > $OUT/ncu_mv_$tag.csv 2>&1; echo mv $tag rc $?;
     python3 mv_sweep.py --summarize $OUT/ncu_mv_$tag.csv $OUT/lab_$tag.json)
 done
+# Why q_b still runs at ~2 TB/s: the full Nsight Compute profile of its launch (the third of five is the one to read).
+(cd benchmarks && timeout 120 $NCU --set full --kernel-name regex:ds_mv python3 mv_sweep.py $OUT/lab_qb.json --default \
+  --only "q_b rms direct" > $OUT/ncu_qb_full.txt 2>&1; echo qb full rc $?)
