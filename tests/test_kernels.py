@@ -332,8 +332,9 @@ def test_mv_reg_dense_and_grouped_launches_are_the_staged_ones(qt):
     for name, (wt, x2, kw) in calls.items():
         want = np.array(kernels.mv(wt, x2, "sim", direct=False, init=NAN, **kw))
         assert np.isfinite(want).all() and np.abs(want).max() > 0
-        # the default (rows this short: one simdgroup); four simdgroups, three row groups (the last one short)
-        for config in (None, (2, 4, 3)):
+        # the default (rows this short: one simdgroup); four simdgroups, three row groups (the last one short);
+        # eight simdgroups (MV_RMS's config for longer rows)
+        for config in (None, (2, 4, 3), (4, 8, 1)):
             got = np.array(kernels.mv(wt, x2, "sim", direct=True, config=config, init=NAN, **kw))
             assert got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (name, config)
     with pytest.raises(ValueError, match="MV_REG"):  # a type it does not decode
