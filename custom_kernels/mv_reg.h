@@ -98,6 +98,19 @@ DS_FN float ds_reg_dot_f(int qt, const DS_THR uint32_t* raw, const DS_THR float*
        - DS_F16_BITS(raw[9] >> 16) * (float(sc0 >> 4) * xs[0] + float(sc1 >> 4) * xs[1]);
 }
 
+// Float4 i of x (xr): with RMS its squares go into ssq and it comes back times float4 i of the norm weight nw (the
+// dots take x·nw; 1/rms scales the row sums afterwards).
+template <bool RMS>
+DS_FN float4 ds_reg_x4(const DS_DEV float* xr, const DS_DEV float* nw, uint32_t i, DS_THR float& ssq) {
+  float4 t = ((const DS_DEV float4*)xr)[i];
+  if (RMS) {
+    const float4 n = ((const DS_DEV float4*)nw)[i];
+    ssq = DS_FMA(t.w, t.w, DS_FMA(t.z, t.z, DS_FMA(t.y, t.y, DS_FMA(t.x, t.x, ssq))));
+    t.x *= n.x; t.y *= n.y; t.z *= n.z; t.w *= n.w;
+  }
+  return t;
+}
+
 // Q8_0 rows with x in f32, a quarter unit (8 weights) a thread, quarters tid, tid + tpb, ...: a simdgroup's loads
 // of a pass cover 8 whole units, 272 contiguous bytes of each row and 1 KB of x. (A whole unit a thread reads x
 // 128 bytes apart from lane to lane, 32 cache lines a load.) The quarter's 8 bytes start 2-byte aligned: read as
@@ -121,14 +134,8 @@ DS_FN void ds_reg_rows_q8(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, ui
       hi[r] = mis ? (w1 >> 16) | (w2 << 16) : w1;
       d[r] = DS_F16_BITS(*((const DS_DEV uint16_t*)(p + blk)));
     }
-    float4 t0 = ((const DS_DEV float4*)(xr + 8u * qi))[0], t1 = ((const DS_DEV float4*)(xr + 8u * qi))[1];
-    if (RMS) {  // Σx² of x itself; the dots take x·nw (1/rms scales the row sums)
-      const float4 n0 = ((const DS_DEV float4*)(nw + 8u * qi))[0], n1 = ((const DS_DEV float4*)(nw + 8u * qi))[1];
-      ssq = DS_FMA(t0.w, t0.w, DS_FMA(t0.z, t0.z, DS_FMA(t0.y, t0.y, DS_FMA(t0.x, t0.x, ssq))));
-      ssq = DS_FMA(t1.w, t1.w, DS_FMA(t1.z, t1.z, DS_FMA(t1.y, t1.y, DS_FMA(t1.x, t1.x, ssq))));
-      t0.x *= n0.x; t0.y *= n0.y; t0.z *= n0.z; t0.w *= n0.w;
-      t1.x *= n1.x; t1.y *= n1.y; t1.z *= n1.z; t1.w *= n1.w;
-    }
+    const float4 t0 = ds_reg_x4<RMS>(xr + 8u * qi, nw + 8u * qi, 0u, ssq);
+    const float4 t1 = ds_reg_x4<RMS>(xr + 8u * qi, nw + 8u * qi, 1u, ssq);
     const float x[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
 #pragma unroll
     for (int r = 0; r < NW * NR; ++r) {
@@ -175,12 +182,7 @@ DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint3
       float x[32], xs[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        float4 t = ((const DS_DEV float4*)(xr + 32 * u))[i];
-        if (RMS) {  // Σx² of x itself; the dots take x·nw (1/rms scales the row sums)
-          const float4 n = ((const DS_DEV float4*)(nw + 32 * u))[i];
-          ssq = DS_FMA(t.w, t.w, DS_FMA(t.z, t.z, DS_FMA(t.y, t.y, DS_FMA(t.x, t.x, ssq))));
-          t.x *= n.x; t.y *= n.y; t.z *= n.z; t.w *= n.w;
-        }
+        const float4 t = ds_reg_x4<RMS>(xr + 32 * u, nw + 32 * u, (uint32_t)i, ssq);
         x[4 * i] = t.x; x[4 * i + 1] = t.y; x[4 * i + 2] = t.z; x[4 * i + 3] = t.w;
         xs[i >> 2] += (t.x + t.y) + (t.z + t.w);
       }
