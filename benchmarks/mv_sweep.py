@@ -41,6 +41,7 @@ PRIORITY = ["gateup+sh", "gateup", "down+sh", "down", "q_b rms", "q_b", "qa+kv r
             "f16 r4 stack", "idx q_b f16", "gateup+sh xq", "gateup+sh xq direct", "down+sh direct", "q_b rms direct",
             "out_b direct", "qa+kv rms direct", "out_a g8 direct", "router f16 direct", "f16 r4 stack direct",
             "idx q_b f16 direct", "f16 r128 comp direct", "idx q_b rms f16", "idx q_b rms f16 direct", "down+sh xq",
+            "gateup+sh xq qy direct", "down+sh xq direct",
             "router f16", "f16 r128 comp", "attn", "lm head", "lm head direct"]
 
 
@@ -133,6 +134,13 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
                        xq=True)),
         ("down+sh direct", [None, (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (2, 4), (4, 4), (2, 8), (4, 8)],
          lambda c: reg(down, mid7, b, **moe, epi=K.MV_SUM, shared=sd, config=c)),
+        # the model's pair where both run as mv_reg.body: gate+up writes mid quantized (mv quantize_y), the down
+        # launch dots it in integers; configs (NR, NSG, RG), NR·RG = 8 for gate+up
+        ("gateup+sh xq qy direct", [None, (4, 2, 2), (4, 4, 2), (2, 2, 4), (8, 2, 1), (8, 4, 1)],
+         lambda c: reg(gate, x4k_q, b, **moe, epi=K.MV_SWIGLU, w2=up, aux=rw, clamp=10.0, shared=sgu, config=c,
+                       xq=True, quantize_y=True)),
+        ("down+sh xq direct", [None, (2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (8, 2), (2, 4), (4, 4), (2, 8), (4, 8)],
+         lambda c: reg(down, mid7_q, b, **moe, epi=K.MV_SUM, shared=sd, config=c, xq=True)),
         # the dense and grouped Q8_0 launches as mv_reg.body: configs (NR, NSG, RG)
         ("q_b rms direct", REG_DENSE, lambda c: reg(qb, x1k, b, config=c, epi=K.MV_RMS, aux=nw1k, clamp=1e-6)),
         ("out_b direct", REG_DENSE, lambda c: reg(outb, x8k, b, config=c)),

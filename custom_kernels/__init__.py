@@ -88,7 +88,7 @@ class RegLaunch(NamedTuple):
     """What mv_reg.body (weights read straight into registers) runs of one matvec epilogue."""
 
     types: tuple  # the weights' types it decodes (routed and shared)
-    xq: bool  # x quantized (kernels.quantize_x) or f32
+    xqs: tuple[bool, ...]  # x quantized (kernels.quantize_x) and/or f32
     gathers: tuple[bool, ...]  # dense and/or expert-gathered
     config: tuple[int, int, int]  # (NR, NSG, RG); rows of at most MV_REG_SHORT_K weights take NSG 1
     backends: tuple[str, ...]  # where it replaces mv.body's launch by default ...
@@ -96,27 +96,36 @@ class RegLaunch(NamedTuple):
 
 
 #: The matvecs mv_reg.body runs, per epilogue. H200, Nsight Compute, µs against mv.body's launch at its default
-#: (benchmarks/RESULTS.md, twenty-seventh and twenty-eighth sessions):
-#: - gate+up of 6 routed pairs of 2048 × 4096 IQ2_XXS and the Q8_0 shared pair: (4, 2, 2) 34.3, (4, 2, 1) 40.4
-#:   (36.3 in the session before), (4, 4, 1) 39.4; mv.body 43.5;
+#: (benchmarks/RESULTS.md, twenty-seventh to thirty-first sessions):
+#: - gate+up of 6 routed pairs of 2048 × 4096 IQ2_XXS and the Q8_0 shared pair: (4, 2, 2) 31.1 (sign masks in ALU
+#:   ops), (4, 4) 33.1; mv.body 43.5; writing mid quantized (quantize_y) costs nothing measurable (31.3);
+#: - the routed down sum, 6 pairs of 4096 × 2048 Q2_K and the shared pair, a plane group a thread: 23.4 at (4, 2, 1)
+#:   against mv.body's 30.9; with mid quantized (XQ, integer dots) 18.3 (17.0 at (8, 2, 1));
 #: - F16: the router 256 × 4096 5.9 against 6.3, the ratio-4 stack 2112 × 4096 8.8 against 11.2, the ratio-128
 #:   projection 1024 × 4096 7.0 against 7.6 (all (4, 4, 1)); the indexer's q_b 8192 × 1024 8.8 at (4, 1, 1)
 #:   against 11.5, but 13.2 at (4, 4, 1): short rows run one simdgroup a row group;
-#: - Q8_0 with x in f32, a quarter unit a thread (thirtieth session; a whole unit a thread was slower than mv.body):
-#:   q_b 32768 × 1024 with the norm 17.7 at (4, 1, 1) against 23.6, out_b 4096 × 8192 16.1 at (4, 4, 1) against
-#:   17.4, the grouped out_a 8 × 1024 × 4096 15.8 against 18.5, q_a+kv 1536 × 4096 with the norm 6.7 at (4, 8, 1)
-#:   against 7.5 (8.0 at (4, 4, 1));
-#: - slower than mv.body, so off: the routed down sum (33.9 against 30.8).
+#: - Q8_0 with x in f32, a quarter unit a thread: q_b 32768 × 1024 with the norm 16.5 at (4, 1, 1) against 23.6,
+#:   out_b 4096 × 8192 13.7 at (4, 4, 1) against 17.4, the grouped out_a 8 × 1024 × 4096 18.0 (15.4 at (8, 4, 1))
+#:   against 18.5, q_a+kv 1536 × 4096 with the norm 6.3 at (4, 8, 1) against 7.5.
 #: Metal keeps mv.body (not measured there); BF16 is not measured.
 MV_REG = {
-    MV_PLAIN: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False, True), (4, 4, 1), ("cuda", "sim"),
+    MV_PLAIN: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), (False,), (False, True), (4, 4, 1), ("cuda", "sim"),
                         (QT.F16, QT.Q8_0)),
-    MV_SWIGLU: RegLaunch((QT.IQ2_XXS, QT.Q8_0), True, (True,), (4, 2, 2), ("cuda", "sim"), (QT.IQ2_XXS, QT.Q8_0)),
-    MV_SUM: RegLaunch((QT.Q2_K, QT.Q8_0), False, (True,), (4, 2, 1), (), ()),
-    MV_RMS: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), False, (False,), (4, 8, 1), ("cuda", "sim"), (QT.F16, QT.Q8_0)),
+    MV_SWIGLU: RegLaunch((QT.IQ2_XXS, QT.Q8_0), (True,), (True,), (4, 2, 2), ("cuda", "sim"), (QT.IQ2_XXS, QT.Q8_0)),
+    MV_SUM: RegLaunch((QT.Q2_K, QT.Q8_0), (False, True), (True,), (4, 2, 1), ("cuda", "sim"), (QT.Q2_K,)),
+    MV_RMS: RegLaunch((QT.Q8_0, QT.F16, QT.BF16), (False,), (False,), (4, 8, 1), ("cuda", "sim"), (QT.F16, QT.Q8_0)),
 }
 #: Rows of at most this many weights: one simdgroup a row group (a thread has few units of a row to load).
 MV_REG_SHORT_K = 1024
+
+
+def reg_direct(qw, backend: str | None, epi: int, gather: bool, xq: bool = False, shared_qt: QT | None = None) -> bool:
+    """Whether ``MV_REG`` has this matvec (epilogue, weight and shared types, x's form, gathering, K % 64 == 0)
+    and, given a ``backend``, runs it as mv_reg.body there by default."""
+    reg = MV_REG.get(epi)
+    fits = (reg is not None and gather in reg.gathers and xq in reg.xqs and qw.shape[-1] % 64 == 0
+            and {qw.qtype, shared_qt or qw.qtype} <= set(reg.types))  # fmt: skip
+    return fits and (backend is None or (backend in reg.backends and qw.qtype in reg.on))
 
 
 def reg_config(epi: int, n_in: int) -> tuple[int, int, int]:
@@ -345,11 +354,15 @@ def mv_template(
 
 
 def mv_reg_template(
-    qtype: QT, nr: int, nsg: int, rg: int, gather: bool, epi: int, shared_qt: QT | None = None
+    qtype: QT, nr: int, nsg: int, rg: int, gather: bool, epi: int, shared_qt: QT | None = None,
+    xq: bool | None = None, qy: bool = False,
 ) -> tuple:  # fmt: skip
-    """mv_reg.body's template: the weight type, the launch shape, the epilogue, the shared expert's type."""
+    """mv_reg.body's template: the weight type, the launch shape, the epilogue, the shared expert's type, x
+    quantized (default: the SwiGLU epilogue's, which always reads it so), y quantized (``mv`` ``quantize_y``)."""
+    xq = epi == MV_SWIGLU if xq is None else xq
     return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("RG", rg), ("GATHER", bool(gather)), ("EPI", epi),
-            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)))  # fmt: skip
+            ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)), ("XQ", bool(xq)),
+            ("QY", bool(qy)))  # fmt: skip
 
 
 def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
@@ -376,10 +389,11 @@ def instantiations() -> list[Instantiation]:
             for bn in MM_BN_CHOICES:
                 out.append(Instantiation("mm", mm_template(qt, bn, gather)))
     for epi, reg in MV_REG.items():
-        for qt, gather in itertools.product(reg.types, reg.gathers):
+        for qt, gather, xq in itertools.product(reg.types, reg.gathers, reg.xqs):
             for sh in (None, MV_SHARED_TYPE) if epi in (MV_SWIGLU, MV_SUM) else (None,):
-                for config in {reg_config(epi, n) for n in (MV_REG_SHORT_K, 2 * MV_REG_SHORT_K)}:
-                    out.append(Instantiation("mv_reg", mv_reg_template(qt, *config, gather, epi, sh)))
+                for qy in (False, True) if epi == MV_SWIGLU and sh is not None else (False,):  # the model's gate+up
+                    for config in {reg_config(epi, n) for n in (MV_REG_SHORT_K, 2 * MV_REG_SHORT_K)}:
+                        out.append(Instantiation("mv_reg", mv_reg_template(qt, *config, gather, epi, sh, xq, qy)))
     return out
 
 
@@ -473,7 +487,7 @@ def mv(
     qw, x2: mx.array | Cols, backend: str, ids: mx.array | None = None, k_slots: int = 1, init=None,
     config: tuple[int, int, int] | None = None, *, epi: int = MV_PLAIN, w2=None, aux: mx.array | None = None,
     clamp: float = 0.0, shape: tuple[int, ...] | None = None, shared=None, xq: bool = False,
-    route_packed: bool = False, direct: bool | None = None,
+    route_packed: bool = False, direct: bool | None = None, quantize_y: bool = False,
 ) -> mx.array:  # fmt: skip
     """Matvec kernel. Dense: x2 [N, in] → [N, out]. Gathered: ids [P], x2 [P or P/k, in] → [P, out].
 
@@ -501,7 +515,9 @@ def mv(
 
     ``direct``: run the launch as mv_reg.body, which reads the weights straight into registers (``config``:
     its ``(NR, NSG[, RG])``), where ``MV_REG`` has the epilogue with these types, x's form and gathering, and
-    K % 64 == 0; default on the epilogue's ``MV_REG`` backends for its ``on`` types.
+    K % 64 == 0; default on the epilogue's ``MV_REG`` backends for its ``on`` types (:func:`reg_direct`).
+    ``quantize_y`` (``MV_SWIGLU`` as mv_reg.body): the result comes quantized as :func:`quantize_x` lays it out,
+    ``[rows, 5·out/8]``, for a down launch with ``xq`` (ds4-CUDA quantizes the experts' mid, QUANTS.md §2.4).
     """
     gather = ids is not None
     if shared is not None:
@@ -531,7 +547,8 @@ def mv(
         raise ValueError(f"mv: quantized x needs weights of a type in MV_XQ_TYPES and no RMSNorm epilogue, not {qw!r}")
     # A decode step makes ~700 of these calls: the launch plan is worked out once per weight and call shape.
     has_aux = 2 if route_packed and epi == MV_SWIGLU else int(aux is not None)
-    key = (backend, P, n_x, k_slots, gather, config, epi, has_aux, clamp, shared_qt, xq, x_off, route_packed, direct)
+    key = (backend, P, n_x, k_slots, gather, config, epi, has_aux, clamp, shared_qt, xq, x_off, route_packed, direct,
+           quantize_y)
     plan = qw._cache.get(("mv",) + key)
     if plan is None:
         plan = qw._cache[("mv",) + key] = _mv_plan(qw, *key)
@@ -555,17 +572,14 @@ def mv(
 def _mv_plan(
     qw, backend: str, P: int, n_x: int, k_slots: int, gather: bool, config, epi: int = MV_PLAIN, has_aux: int = 0,
     clamp: float = 0.0, shared_qt: QT | None = None, xq: bool = False, x_off: int = 0, route_packed: bool = False,
-    direct: bool | None = None,
+    direct: bool | None = None, quantize_y: bool = False,
 ) -> tuple:  # fmt: skip
     """(kernel kind, weight bytes, params, template, grid, threadgroup, output shape) of one matvec call shape."""
     *_, n_out, n_in = qw.shape
-    reg = MV_REG.get(epi)
-    fits_reg = (reg is not None and gather in reg.gathers and xq == reg.xq and n_in % 64 == 0
-                and {qw.qtype, shared_qt or qw.qtype} <= set(reg.types))  # fmt: skip
-    if direct and not fits_reg:
+    if direct and not reg_direct(qw, None, epi, gather, xq, shared_qt):
         raise ValueError(f"mv: no launch of mv_reg.body for {qw!r} (shared {shared_qt}, epilogue {epi}, xq {xq}): "
                          f"see MV_REG, and K % 64 == 0")  # fmt: skip
-    direct = fits_reg and (backend in reg.backends and qw.qtype in reg.on if direct is None else direct)
+    direct = reg_direct(qw, backend, epi, gather, xq, shared_qt) if direct is None else direct
     wb = weight_bytes(qw)
     rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared_qt is not None else 0)  # of y
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
@@ -576,9 +590,14 @@ def _mv_plan(
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, has_aux, x_off, ip)
     if direct:
         nr, nsg, rg = (*config, 1)[:3] if config else reg_config(epi, n_in)
-        template = list(mv_reg_template(qw.qtype, nr, nsg, rg, gather, epi, shared_qt))
+        if quantize_y and (epi != MV_SWIGLU or nr * rg != 8 or n_out % 8):
+            raise ValueError(f"mv: quantize_y needs the SwiGLU epilogue at NR·RG = 8 rows and out % 8 == 0, not "
+                             f"{epi}, ({nr}, {nsg}, {rg}), out {n_out}")  # fmt: skip
+        template = list(mv_reg_template(qw.qtype, nr, nsg, rg, gather, epi, shared_qt, xq, quantize_y))
         grid = (-(-n_out // (nr * rg)) * 32 * nsg, 1, rows)
-        return "mv_reg", wb, params, template, grid, (32 * nsg, 1, 1), (rows, n_out)
+        return "mv_reg", wb, params, template, grid, (32 * nsg, 1, 1), (rows, 5 * n_out // 8 if quantize_y else n_out)
+    if quantize_y:
+        raise ValueError("mv: quantize_y is a launch of mv_reg.body's")
     nr, nsg, ks = config or mv_config(qw.qtype, n_out, rows, epi, n_in)
     if nsg % ks:
         raise ValueError(f"mv: KS={ks} must divide NSG={nsg}")

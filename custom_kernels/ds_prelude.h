@@ -108,3 +108,17 @@ DS_FN float ds_warp_sum(float v) {
 #else
 #error "define DS_METAL or DS_CUDA before ds_prelude.h"
 #endif
+
+// v quantized as kernels.quantize_x does, octets being 8 adjacent lanes (every lane of the simdgroup calls it):
+// q = rint(v / d), the remainder r = rint(128 (v − d·q) / d), d = max|v| / 127 over the lane's octet.
+DS_FN void ds_xq_octet(float v, DS_THR float& q, DS_THR float& r, DS_THR float& d) {
+  float a = DS_FABS(v);
+  for (int m = 1; m < 8; m <<= 1) {
+    const float b = DS_SHFL_XOR(a, m);
+    a = a > b ? a : b;
+  }
+  d = a * (1.0f / 127.0f);
+  const float iv = a > 0.0f ? 127.0f / a : 0.0f;
+  q = DS_RINT(v * iv);
+  r = DS_RINT((v - q * d) * (128.0f * iv));
+}

@@ -35,6 +35,8 @@ DS_FN float ds_u2f(uint32_t v) { return DS_U32_AS_F(0x4B000000u | v) - 8388608.0
 DS_FN float ds_byte_f(uint32_t w, uint32_t i) { return DS_U32_AS_F(DS_BYTE_BITS(w, i)) - 8388608.0f; }
 // A raw int8 byte b (0..255) as its signed value: 2^23 + (b XOR 0x80) − (2^23 + 128).
 DS_FN float ds_s8f(uint32_t b) { return DS_U32_AS_F(0x4B000000u | (b ^ 0x80u)) - 8388736.0f; }
+// Int8 byte i of w, given wx = w XOR 0x80808080: one PRMT and one subtraction on CUDA.
+DS_FN float ds_s8x_f(uint32_t wx, uint32_t i) { return DS_U32_AS_F(DS_BYTE_BITS(wx, i)) - 8388736.0f; }
 
 // Q4_K 6-bit (scale, min) of sub-block j (QUANTS.md §1.3).
 DS_FN void ds_q4k_scale_min(const DS_DEV uint8_t* s, uint32_t j, DS_THR float& sc, DS_THR float& m) {

@@ -47,7 +47,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import (
-    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, build, cols, mv,
+    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, build, cols, mv, reg_direct,
     render_prelude, render_source, supports,
 )
 
@@ -1091,7 +1091,8 @@ def experts_with_shared(
     ``[T, E]``, the shared expert read by the routed launches (mv ``shared``) instead of two launches of its
     own. ``shared_gate_up`` is its gate rows then its up rows. ``xq``: x quantized (:func:`hc_post_pre`), which
     the gate+up launch reads instead of x where its weight types allow (``MV_XQ_TYPES``): integer dots, as
-    ds4-CUDA does (QUANTS.md §2.4). ``x`` and ``xq`` may be one token's :class:`Cols` of HC pre's output row
+    ds4-CUDA does (QUANTS.md §2.4); where both launches run as mv_reg.body, gate+up then writes mid quantized
+    too and the down launch dots it in integers (ds4-CUDA quantizes mid as well). ``x`` and ``xq`` may be one token's :class:`Cols` of HC pre's output row
     (:func:`hc_post_pre` ``cols``). ``ids [T, k]`` with ``route_w [T, k]``, or :func:`moe_route`'s packed
     ``[T, 2k]`` with ``route_w`` None. None where the kernels do not apply (the caller runs
     :func:`expert_swiglu` and :func:`expert_down_sum` then)."""
@@ -1104,12 +1105,15 @@ def experts_with_shared(
     packed = route_w is None
     k = ids.shape[1] // 2 if packed else ids.shape[1]
     use_xq = xq is not None and takes_quantized_x(gate, up, shared_gate_up)
+    # and mid quantized by the gate+up launch, for integer dots in the down launch, where both run as mv_reg.body
+    q_mid = (use_xq and reg_direct(gate, b, MV_SWIGLU, True, True, shared_gate_up.qtype)
+             and reg_direct(down, b, MV_SUM, True, True, shared_down.qtype))  # fmt: skip
     x2 = xq if use_xq else x  # mv reads Cols in place
     if not isinstance(x2, Cols) and x2.dtype != mx.float32:
         x2 = x2.astype(mx.float32)
     mid = mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
-             shared=shared_gate_up, xq=use_xq, route_packed=packed)  # [T·k + T, F]: the routed rows, then the shared
-    return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down, route_packed=packed)
+             shared=shared_gate_up, xq=use_xq, route_packed=packed, quantize_y=q_mid)  # [T·k + T, F]: routed, shared
+    return mv(down, mid, b, ids=ids, k_slots=k, epi=MV_SUM, shared=shared_down, route_packed=packed, xq=q_mid)
 
 
 # --- the next token ---------------------------------------------------------------------------------------

@@ -7,9 +7,9 @@
 //     as 8 words}: read as the 9 aligned words that hold the unit, shifted into place (17 two-byte loads
 //     otherwise; blocks are only 2-byte aligned). Where the unit starts 4-byte aligned that reads 2 bytes past
 //     it, which the next unit holds when the row bytes are a multiple of 4 (kernels.mv asks K % 64 == 0);
-//   Q2_K {its block's 32 plane bytes as 8 words, its two sub-block scales | plane << 16, d | dmin << 16};
 //   F16, BF16 {the 32 weights as 16 words}: 64 aligned bytes (row bytes 2K, a multiple of 128).
-#define DS_REG_RAW(qt) (qt == DS_Q8_0 ? 9 : qt == DS_Q2_K ? 10 : qt == DS_F16 || qt == DS_BF16 ? 16 : 3)
+// (Q2_K rows are read a plane group a thread: ds_reg_rows_q2k.)
+#define DS_REG_RAW(qt) (qt == DS_Q8_0 ? 9 : qt == DS_F16 || qt == DS_BF16 ? 16 : 3)
 DS_FN void ds_reg_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_THR uint32_t* raw) {
   if (qt == DS_Q8_0) {
     const DS_DEV uint8_t* p = row + 34u * u;
@@ -29,14 +29,6 @@ DS_FN void ds_reg_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_TH
       const uint4 v = p[i];
       raw[4 * i] = v.x; raw[4 * i + 1] = v.y; raw[4 * i + 2] = v.z; raw[4 * i + 3] = v.w;
     }
-  } else if (qt == DS_Q2_K) {  // 84-byte blocks: row bytes a multiple of 4, so these loads are aligned
-    const DS_DEV uint8_t* b = row + 84u * (u >> 3);
-    const uint32_t r = u & 7u;
-    const DS_DEV uint32_t* q = (const DS_DEV uint32_t*)(b + 16 + 32 * (r >> 2));
-#pragma unroll
-    for (int i = 0; i < 8; ++i) raw[i] = q[i];
-    raw[8] = (uint32_t)*((const DS_DEV uint16_t*)(b + 2 * r)) | ((r & 3u) << 16);
-    raw[9] = *((const DS_DEV uint32_t*)(b + 80));
   } else {  // DS_IQ2_XXS
     const DS_DEV uint8_t* b = row + 66u * (u >> 3);
     const DS_DEV uint16_t* g = (const DS_DEV uint16_t*)(b + 2 + 8 * (u & 7u));
@@ -47,17 +39,18 @@ DS_FN void ds_reg_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_TH
 }
 
 // Dot of a loaded unit (IQ2_XXS, Q8_0) with x quantized (mv.h ds_xq_load's layout): q[0..7] the unit's q words,
-// q[8..15] its remainder words, d[0..3] its octets' scales. tabs: the IQ2 grid (512 words), then each sign
-// nibble's byte mask (256 words), so an octet's weights become signed bytes as (g ^ m) + (m & 1).
+// q[8..15] its remainder words, d[0..3] its octets' scales. tabs: the IQ2 grid (512 words); an octet's weights
+// become signed bytes as (g ^ m) + (m & 1), m its signs' byte mask.
 DS_FN float ds_reg_dot_q(int qt, const DS_THR uint32_t* raw, const DS_THR uint32_t* q, const DS_THR float* d,
                          const DS_TG uint32_t* tabs) {
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     uint32_t lo = raw[1 + 2 * k], hi = raw[2 + 2 * k];
-    if (qt != DS_Q8_0) {
-      const uint32_t gi = (raw[1] >> (8 * k)) & 255u, si = (raw[2] >> (7 * k)) & 127u;
-      const uint32_t mlo = tabs[512 + 2 * si], mhi = tabs[513 + 2 * si];
+    if (qt != DS_Q8_0) {  // the sign masks in ALU ops, not a second table lookup (bank conflicts: random rows)
+      const uint32_t gi = (raw[1] >> (8 * k)) & 255u, sg = ds_iq2_signs((raw[2] >> (7 * k)) & 127u);
+      const uint32_t mlo = (((sg & 15u) * 0x00204081u) & 0x01010101u) * 255u;  // bit j to byte j, as 0 or 0xff
+      const uint32_t mhi = (((sg >> 4) * 0x00204081u) & 0x01010101u) * 255u;
       lo = (tabs[2 * gi] ^ mlo) + (mlo & 0x01010101u);
       hi = (tabs[2 * gi + 1] ^ mhi) + (mhi & 0x01010101u);
     }
@@ -69,33 +62,18 @@ DS_FN float ds_reg_dot_q(int qt, const DS_THR uint32_t* raw, const DS_THR uint32
   return DS_F16_BITS(raw[0]) * scale * (1.0f / 128.0f) * s;
 }
 
-// Dot of a loaded unit (Q2_K, F16, BF16) with x[0..31] in f32; xs[0..1] = Σx over the unit's halves (Q2_K's min
-// terms). (Q8_0 with x in f32 runs a quarter unit a thread: ds_reg_rows_q8.)
-DS_FN float ds_reg_dot_f(int qt, const DS_THR uint32_t* raw, const DS_THR float* x, const DS_THR float* xs) {
-  if (qt == DS_F16 || qt == DS_BF16) {
-    float s = 0.0f;
+// Dot of a loaded unit (F16, BF16) with x[0..31] in f32. (With x in f32, Q8_0 runs a quarter unit a thread,
+// ds_reg_rows_q8, and Q2_K a plane group, ds_reg_rows_q2k.)
+DS_FN float ds_reg_dot_f(int qt, const DS_THR uint32_t* raw, const DS_THR float* x) {
+  float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint32_t w = raw[i];
-      const float w0 = qt == DS_F16 ? DS_F16_BITS(w & 0xffffu) : DS_U32_AS_F(w << 16);
-      const float w1 = qt == DS_F16 ? DS_F16_BITS(w >> 16) : DS_U32_AS_F(w & 0xffff0000u);
-      s = DS_FMA(w1, x[2 * i + 1], DS_FMA(w0, x[2 * i], s));
-    }
-    return s;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t w = raw[i];
+    const float w0 = qt == DS_F16 ? DS_F16_BITS(w & 0xffffu) : DS_U32_AS_F(w << 16);
+    const float w1 = qt == DS_F16 ? DS_F16_BITS(w >> 16) : DS_U32_AS_F(w & 0xffff0000u);
+    s = DS_FMA(w1, x[2 * i + 1], DS_FMA(w0, x[2 * i], s));
   }
-  const uint32_t sh = 2u * (raw[8] >> 16), sc0 = raw[8] & 255u, sc1 = (raw[8] >> 8) & 255u;
-  float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t w0 = raw[i] >> sh, w1 = raw[4 + i] >> sh;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      s0 = DS_FMA(ds_u2f((w0 >> (8 * j)) & 3u), x[4 * i + j], s0);
-      s1 = DS_FMA(ds_u2f((w1 >> (8 * j)) & 3u), x[16 + 4 * i + j], s1);
-    }
-  }
-  return DS_F16_BITS(raw[9] & 0xffffu) * (float(sc0 & 15u) * s0 + float(sc1 & 15u) * s1)
-       - DS_F16_BITS(raw[9] >> 16) * (float(sc0 >> 4) * xs[0] + float(sc1 >> 4) * xs[1]);
+  return s;
 }
 
 // Float4 i of x (xr): with RMS its squares go into ssq and it comes back times float4 i of the norm weight nw (the
@@ -141,24 +119,86 @@ DS_FN void ds_reg_rows_q8(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, ui
     for (int r = 0; r < NW * NR; ++r) {
       float s = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8f((lo[r] >> (8 * j)) & 255u), x[j], s);
+      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8x_f(lo[r] ^ 0x80808080u, j), x[j], s);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8f((hi[r] >> (8 * j)) & 255u), x[4 + j], s);
+      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8x_f(hi[r] ^ 0x80808080u, j), x[4 + j], s);
       acc[r] = DS_FMA(d[r], s, acc[r]);
+    }
+  }
+}
+
+// Q2_K rows, a plane group a thread: 8 plane bytes of a half (positions 8p .. 8p + 7, p = g & 3, half (g >> 2) & 1
+// of block g >> 3), which hold those positions of the half's four units (plane j: bits 2j). So a thread reads 8
+// plane bytes, the half's 8 scale bytes and the block's (d, dmin) word for 32 weights, and x in four 8-float chunks
+// 32 floats apart (XQ: x's octets 4 apart, dotted in integers); the 8 threads of a block cover its 84 bytes. (A
+// quarter unit a thread, 8 weights for 4 loads, ran slower than mv.body: benchmarks/RESULTS.md, thirtieth session.)
+template <int NR, int NW, bool XQ>
+DS_FN void ds_reg_rows_q2k(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0,
+                           uint32_t n_out, uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr,
+                           DS_THR float* acc) {
+  for (uint32_t g = tid; g < n_in / 32; g += tpb) {
+    const uint32_t h = (g >> 2) & 1u, p = g & 3u, blk = 84u * (g >> 3);
+    uint32_t q[NW * NR][2], sc[NW * NR][2], dm[NW * NR];
+#pragma unroll
+    for (int k = 0; k < NW * NR; ++k) {
+      const uint32_t row = r0 + (k % NR) < n_out ? r0 + (k % NR) : n_out - 1;
+      const DS_DEV uint8_t* b = (k < NR ? wa : wb) + (uint64_t)row * rb + blk;
+      const DS_DEV uint32_t* qw = (const DS_DEV uint32_t*)(b + 16u + 32u * h + 8u * p);
+      const DS_DEV uint32_t* sw = (const DS_DEV uint32_t*)(b + 8u * h);
+      q[k][0] = qw[0]; q[k][1] = qw[1];
+      sc[k][0] = sw[0]; sc[k][1] = sw[1];
+      dm[k] = *((const DS_DEV uint32_t*)(b + 80));
+    }
+    const DS_DEV float* xg = xr + 256u * (g >> 3) + 128u * h + 8u * p;  // plane j's chunk: xg + 32j
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float x[8], xs, xd = 0.0f;  // XQ: x ≈ 128·xd·(q + r/128) over the octet
+      uint32_t xw[4];             // XQ: the octet's q words, then its r words
+      if (XQ) {
+        const uint32_t o = 32u * (g >> 3) + 16u * h + 4u * j + p;
+        const uint2 a = ((const DS_DEV uint2*)xr)[o], c = ((const DS_DEV uint2*)(xr + n_in / 4))[o];
+        xw[0] = a.x; xw[1] = a.y; xw[2] = c.x; xw[3] = c.y;
+        xd = xr[n_in / 2 + o] * (1.0f / 128.0f);
+        xs = xd * (float)(128 * ds_dp4a(a.x, 0x01010101u, ds_dp4a(a.y, 0x01010101u, 0))
+                          + ds_dp4a(c.x, 0x01010101u, ds_dp4a(c.y, 0x01010101u, 0)));
+      } else {
+        const float4 t0 = ((const DS_DEV float4*)(xg + 32 * j))[0], t1 = ((const DS_DEV float4*)(xg + 32 * j))[1];
+        x[0] = t0.x; x[1] = t0.y; x[2] = t0.z; x[3] = t0.w; x[4] = t1.x; x[5] = t1.y; x[6] = t1.z; x[7] = t1.w;
+        xs = ((t0.x + t0.y) + (t0.z + t0.w)) + ((t1.x + t1.y) + (t1.z + t1.w));
+      }
+#pragma unroll
+      for (int k = 0; k < NW * NR; ++k) {
+        const uint32_t lo = (q[k][0] >> (2 * j)) & 0x03030303u, hi = (q[k][1] >> (2 * j)) & 0x03030303u;
+        const uint32_t s8 = (sc[k][j >> 1] >> (8 * (2 * (j & 1) + (p >> 1)))) & 255u;  // scale 2j + p / 2 of the half
+        float s = 0.0f;
+        if (XQ) {
+          s = xd * (float)(128 * ds_dp4a(lo, xw[0], ds_dp4a(hi, xw[1], 0)) + ds_dp4a(lo, xw[2], ds_dp4a(hi, xw[3], 0)));
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s = DS_FMA(ds_byte_f(lo, i), x[i], s);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s = DS_FMA(ds_byte_f(hi, i), x[4 + i], s);
+        }
+        acc[k] += DS_F16_BITS(dm[k] & 0xffffu) * float(s8 & 15u) * s - DS_F16_BITS(dm[k] >> 16) * float(s8 >> 4) * xs;
+      }
     }
   }
 }
 
 // One pair's rows: acc[r] (r < NR: rows r0 + r of wa; then, NW == 2, of wb) += the row's dot with x (row xr:
 // quantized if XQ, else f32; RMS: times the norm weight nw, with Σx² into ssq) over the units this thread takes
-// (tid, tid + tpb, ...; Q8_0 with x in f32: quarter units, ds_reg_rows_q8). Rows past n_out read row n_out - 1
-// (unused).
+// (tid, tid + tpb, ...; Q8_0 with x in f32: quarter units, ds_reg_rows_q8; Q2_K: plane groups, ds_reg_rows_q2k).
+// Rows past n_out read row n_out - 1 (unused).
 template <int QX, int NR, int NW, bool XQ, bool RMS>
 DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0, uint32_t n_out,
                        uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr, const DS_DEV float* nw,
                        const DS_TG uint32_t* tabs, DS_THR float* acc, DS_THR float& ssq) {
   if (QX == DS_Q8_0 && !XQ) {
     ds_reg_rows_q8<NR, NW, RMS>(wa, wb, rb, r0, n_out, n_in, tid, tpb, xr, nw, acc, ssq);
+    return;
+  }
+  if (QX == DS_Q2_K) {  // (MV_RMS takes no Q2_K)
+    ds_reg_rows_q2k<NR, NW, XQ>(wa, wb, rb, r0, n_out, n_in, tid, tpb, xr, acc);
     return;
   }
   for (uint32_t u = tid; u < n_in / 32; u += tpb) {
@@ -179,15 +219,14 @@ DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint3
 #pragma unroll
       for (int r = 0; r < NW * NR; ++r) acc[r] += ds_reg_dot_q(QX, raw[r], q, d, tabs);
     } else {
-      float x[32], xs[2] = {0.0f, 0.0f};
+      float x[32];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const float4 t = ds_reg_x4<RMS>(xr + 32 * u, nw + 32 * u, (uint32_t)i, ssq);
         x[4 * i] = t.x; x[4 * i + 1] = t.y; x[4 * i + 2] = t.z; x[4 * i + 3] = t.w;
-        xs[i >> 2] += (t.x + t.y) + (t.z + t.w);
       }
 #pragma unroll
-      for (int r = 0; r < NW * NR; ++r) acc[r] += ds_reg_dot_f(QX, raw[r], x, xs);
+      for (int r = 0; r < NW * NR; ++r) acc[r] += ds_reg_dot_f(QX, raw[r], x);
     }
   }
 }

@@ -37,8 +37,9 @@ class Numerics:
     f16_cache: bool  # f16 rounding of every row written to a cache (raw, compressed, indexer)
     rope_recurrence: bool = False  # ds4 CPU's f32 angle recurrence t_{k+1} = t_k * base^(-2/n_rot)
     # CUDA decode: the routed experts' gate+up matvec reads its input quantized (int8 plus an int8 remainder per 8
-    # values, integer dots), as ds4's CUDA build does with coarser Q8_K (QUANTS.md §2.4); a kernel choice, so the
-    # MLX paths (CPU, prefill) keep f32, and so does Metal (no integer dot; ds4's Metal build keeps f32)
+    # values, integer dots), and writes mid so for the down sum, as ds4's CUDA build does with coarser Q8_K
+    # (QUANTS.md §2.4); a kernel choice, so the MLX paths (CPU, prefill) keep f32, and so does Metal (no integer
+    # dot; ds4's Metal build keeps f32)
     quantized_x: bool = False
 
     def with_(self, **changes) -> "Numerics":

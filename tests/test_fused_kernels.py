@@ -1173,9 +1173,10 @@ SHARED_CASES = [  # routed type, E, F, n_embd, T, k (the shared expert is Q8_0, 
 
 @needs_gpu
 @pytest.mark.parametrize("qt,E,F,D,T,k", SHARED_CASES, ids=lambda v: getattr(v, "name", str(v)))
-def test_experts_with_shared_kernel(qt, E, F, D, T, k):
+def test_experts_with_shared_kernel(qt, E, F, D, T, k, monkeypatch):
     """Routed experts and the shared expert in two launches (mv ``shared``) against the MoE's separate pieces
-    on the CPU: the SwiGLU launch's shared rows, and the summed output."""
+    on the CPU: the SwiGLU launch's shared rows, and the summed output; with x quantized too, where (IQ2_XXS
+    experts on CUDA or sim) the gate+up launch hands the down launch its mid quantized."""
     from ds4_mlx.model.moe import swiglu
 
     rng = np.random.default_rng(F + D + T + int(qt))
@@ -1201,6 +1202,15 @@ def test_experts_with_shared_kernel(qt, E, F, D, T, k):
     ref = on_cpu(fused.expert_down_sum, down, swiglu(g, u, clamp) * rw[..., None], ids, shared, backend="fallback")
     assert y.shape == (T, D)
     close(y, ref, 1e-5)
+    if fused.takes_quantized_x(gate, up, sgu):
+        launched, mv = [], fused.mv
+        monkeypatch.setattr(fused, "mv", lambda *a, **kw: launched.append(kw) or mv(*a, **kw))
+        yq = fused.experts_with_shared(gate, up, down, sgu, sd, x, ids, rw, clamp, xq=kernels.quantize_x(x),
+                                       backend=BACKEND)  # fmt: skip
+        close(yq, ref, 1e-3)
+        assert not np.array_equal(np.array(yq), np.array(y))  # the integer dots ran
+        q_mid = qt == QT.IQ2_XXS and BACKEND in ("cuda", "sim")
+        assert [kw["quantize_y"] for kw in launched[:1]] + [kw["xq"] for kw in launched[1:]] == [q_mid, q_mid]
     assert fused.experts_with_shared(gate, up, down, sgu, sd, x, ids, rw, clamp, backend="fallback") is None
     with pytest.raises(ValueError, match="shared expert"):  # the up rows missing
         kernels.mv(gate, x, BACKEND, ids=ids, k_slots=k, epi=kernels.MV_SWIGLU, w2=up, aux=rw, shared=sg)

@@ -422,9 +422,14 @@ def test_gather_matmul_flat_x_and_out_shape():
                          ids=lambda v: v.name if isinstance(v, QT) else {1: "swiglu", 2: "sum"}[v])
 def test_mv_reg_launches_are_the_staged_ones(epi, qt):
     """mv_reg.body (weights straight into registers) gives mv.body's result: the gate+up SwiGLU of quantized x,
-    the down sum of f32 x. With and without the shared expert, route weights or a packed route, (SwiGLU) no clamp
-    or one that bites and one token's x read in place, (sum) an addend or none; rows not a multiple of NR, K of
-    40 units (a thread takes one or two)."""
+    the down sum of f32 x and of quantized x. With and without the shared expert, route weights or a packed
+    route, (SwiGLU) no clamp or one that bites and one token's x read in place, (sum) an addend or none; rows not
+    a multiple of NR, K of 40 units (a thread takes one or two)."""
+    for xq in (True,) if epi == kernels.MV_SWIGLU else (False, True):
+        _check_mv_reg_launch(epi, qt, xq)
+
+
+def _check_mv_reg_launch(epi, qt, xq):
     rng = np.random.default_rng(21 + int(qt) + epi)
     E, out, n_in, T, k = 8, 37, 1280 if epi == kernels.MV_SWIGLU else 512, 2, 3
     swiglu = epi == kernels.MV_SWIGLU
@@ -432,7 +437,7 @@ def test_mv_reg_launches_are_the_staged_ones(epi, qt):
     sh = [make_weight(rng, QT.Q8_0, (out, n_in), np.float32)[0] for _ in range(2 if swiglu else 1)]
     sh = QuantWeight.stack_rows(sh) if swiglu else sh[0]
     x = rng.standard_normal((T if swiglu else T * k + T, n_in)).astype(np.float32)
-    x = kernels.quantize_x(mx.array(x)) if swiglu else mx.array(x)
+    x = kernels.quantize_x(mx.array(x)) if xq else mx.array(x)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
     rw = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
     packed = mx.array(np.concatenate([ids, rw.view(np.int32)], axis=1))  # moe_route's [T, 2k]
@@ -444,7 +449,7 @@ def test_mv_reg_launches_are_the_staged_ones(epi, qt):
         if route == "packed" and not swiglu and extra is not None:
             continue  # a packed route's launches take no aux
         n = 1 if xs == "cols" else T
-        kw = dict(k_slots=k, epi=epi, shared=shared, xq=swiglu, init=NAN)
+        kw = dict(k_slots=k, epi=epi, shared=shared, xq=xq, init=NAN)
         kw |= dict(w2=up, clamp=extra) if swiglu else dict(aux=extra)
         if route == "packed":
             kw |= dict(ids=packed[:n], route_packed=True)
@@ -461,6 +466,39 @@ def test_mv_reg_launches_are_the_staged_ones(epi, qt):
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (shared is not None, xs, route, config)
         seen.append(want)
     assert np.abs(seen[0]).max() > 0 and not np.allclose(seen[0], seen[2])  # the clamp bites / the addend adds
-    with pytest.raises(ValueError, match="MV_REG"):  # x of the other form: not this launch
-        kernels.mv(w, x if not swiglu else mx.zeros((T, n_in)), "sim", ids=mx.array(ids.reshape(-1)), k_slots=k,
-                   epi=epi, w2=up if swiglu else None, xq=not swiglu, direct=True)  # fmt: skip
+    if swiglu:
+        with pytest.raises(ValueError, match="MV_REG"):  # f32 x: not this launch
+            kernels.mv(w, mx.zeros((T, n_in)), "sim", ids=mx.array(ids.reshape(-1)), k_slots=k, epi=epi, w2=up,
+                       direct=True)  # fmt: skip
+
+
+@needs_gpu
+def test_mv_reg_swiglu_writes_quantized_mid():
+    """The gate+up launch with quantize_y (the model's, where the down launch reads quantized x) writes the
+    f32 launch's result as quantize_x lays it out: the same scales and q bytes, remainders within one (the
+    kernel may fuse v − q·d); the down launch of it equals the down launch of quantize_x's. Bad shapes fail."""
+    rng = np.random.default_rng(5)
+    E, F, n_in, T, k = 8, 256, 512, 2, 3
+    gate, up = (make_weight(rng, QT.IQ2_XXS, (E, F, n_in), np.float32)[0] for _ in range(2))
+    sh = QuantWeight.stack_rows([make_weight(rng, QT.Q8_0, (F, n_in), np.float32)[0] for _ in range(2)])
+    down, _ = make_weight(rng, QT.Q2_K, (E, n_in, F), np.float32)
+    sd, _ = make_weight(rng, QT.Q8_0, (n_in, F), np.float32)
+    x = kernels.quantize_x(mx.array(rng.standard_normal((T, n_in)).astype(np.float32)))
+    ids = mx.array(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32).reshape(-1))
+    kw = dict(ids=ids, k_slots=k, epi=kernels.MV_SWIGLU, w2=up, clamp=0.5, shared=sh, xq=True, direct=True)
+    kw["aux"] = mx.array(rng.uniform(0.1, 1.0, T * k).astype(np.float32))
+    y = kernels.mv(gate, x, BACKEND, **kw)
+    got, want = (np.array(a) for a in (kernels.mv(gate, x, BACKEND, quantize_y=True, init=NAN, **kw),
+                                       kernels.quantize_x(y)))  # fmt: skip
+    assert got.shape == want.shape == (T * k + T, 5 * F // 8) and np.abs(np.array(y)).max() > 0.01
+    b, wb = got.view(np.uint8), want.view(np.uint8)
+    np.testing.assert_array_equal(got[:, F // 2 :], want[:, F // 2 :])  # scales
+    np.testing.assert_array_equal(b[:, :F], wb[:, :F])  # q
+    assert np.abs(b[:, F : 2 * F].view(np.int8).astype(int) - wb[:, F : 2 * F].view(np.int8)).max() <= 1  # r
+    dkw = dict(ids=ids, k_slots=k, epi=kernels.MV_SUM, shared=sd, xq=True, direct=True)
+    d_got, d_want = (np.array(kernels.mv(down, m, BACKEND, **dkw)) for m in (mx.array(got), mx.array(want)))
+    assert np.abs(d_got - d_want).max() <= 1e-4 * np.abs(d_want).max()
+    with pytest.raises(ValueError, match="quantize_y"):  # the octets of y are a threadgroup's 8 rows
+        kernels.mv(gate, x, BACKEND, quantize_y=True, config=(4, 2, 1), **{**kw, "direct": True})
+    with pytest.raises(ValueError, match="quantize_y"):
+        kernels.mv(gate, x, BACKEND, quantize_y=True, **{**kw, "direct": False})

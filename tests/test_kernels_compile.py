@@ -261,11 +261,11 @@ def test_kernel_sources_stay_small():
     budget: the IQ2 grid only where IQ2_XXS weights are read, block decoding only in the quant kernels."""
     for inst in kernels.instantiations():
         size = len(kernels.render_header(inst.kind, "metal", inst.iq2_grid)) + len(kernels.render_source(inst.kind, "metal"))
-        assert size <= (27_100 if inst.iq2_grid else 20_400), (inst.tag, size)  # mv: 22.7 + 4.3 KB / 16.0 + 4.3 KB
+        assert size <= (27_500 if inst.iq2_grid else 20_800), (inst.tag, size)  # mv: 23.1 + 4.3 KB / 16.4 + 4.3 KB
     assert "0x" not in kernels.render_header("mv", "cuda", False).split("DS_IQ2_GRID_WORDS", 1)[1].split("\n", 1)[0]
     for kind in kernels.fused.SPECS:
         size = len(kernels.fused.render_fused_header("metal", kind)) + len(kernels.fused.render_body(kind, "metal"))
-        assert size <= 11_200, (kind, size)  # hc_pre: 5.0 KB header + 6.1 KB body (its split and quantized output)
+        assert size <= 11_400, (kind, size)  # hc_pre: 5.3 KB header + 6.0 KB body (its split and quantized output)
         assert "ds_dot32" not in kernels.fused.render_fused_header("cuda")
 
 
