@@ -47,8 +47,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import (
-    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, build, cols, mv, reg_direct,
-    render_prelude, render_source, supports,
+    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, build, cols, mv,
+    reg_direct, render_prelude, render_source, supports,
 )
 
 #: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E), and of
@@ -1092,10 +1092,10 @@ def experts_with_shared(
     own. ``shared_gate_up`` is its gate rows then its up rows. ``xq``: x quantized (:func:`hc_post_pre`), which
     the gate+up launch reads instead of x where its weight types allow (``MV_XQ_TYPES``): integer dots, as
     ds4-CUDA does (QUANTS.md §2.4); where both launches run as mv_reg.body, gate+up then writes mid quantized
-    too and the down launch dots it in integers (ds4-CUDA quantizes mid as well). ``x`` and ``xq`` may be one token's :class:`Cols` of HC pre's output row
-    (:func:`hc_post_pre` ``cols``). ``ids [T, k]`` with ``route_w [T, k]``, or :func:`moe_route`'s packed
-    ``[T, 2k]`` with ``route_w`` None. None where the kernels do not apply (the caller runs
-    :func:`expert_swiglu` and :func:`expert_down_sum` then)."""
+    too and the down launch dots it in integers (ds4-CUDA quantizes mid as well). ``x`` and ``xq`` may be one
+    token's :class:`Cols` of HC pre's output row (:func:`hc_post_pre` ``cols``). ``ids [T, k]`` with
+    ``route_w [T, k]``, or :func:`moe_route`'s packed ``[T, 2k]`` with ``route_w`` None. None where the kernels
+    do not apply (the caller runs :func:`expert_swiglu` and :func:`expert_down_sum` then)."""
     b, T = _pick(backend), 1 if isinstance(x, Cols) else x.shape[0]
     F, E = gate.shape[-2:]
     if not (_mv_ok(b, T, gate, down, shared_gate_up, shared_down) and gate.qtype == up.qtype
