@@ -327,7 +327,7 @@ def mv_launch_shapes(qtype: QT, epi: int) -> list[tuple[int, int, int]]:
 
 
 def quantize_x(x: mx.array) -> mx.array:
-    """x [..., in] (in % 8 == 0) as the quantized-x matvec reads it (mv.h ds_xq_load), float32-typed: per row,
+    """x [..., in] (in % 8 == 0) as the quantized-x matvec reads it (ds_quant.h ds_xq_load), float32-typed: per row,
     q = rint(x / d) as int8 [in], the remainder r = rint(128 (x − d·q) / d) as int8 [in], then d = max|x| / 127
     per 8 values as float32 [in / 8]: 5·in/8 words a row, x ≈ d·(q + r/128). In the model HC pre's kernel writes it
     (``fused.hc_post_pre(quantize=True)``); these MLX ops are the tests' and benchmarks' reference."""

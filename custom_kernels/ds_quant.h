@@ -63,6 +63,20 @@ DS_FN int ds_dp4a(uint32_t a, uint32_t b, int c) {
 #endif
 }
 
+// Quantized x (the matvecs' XQ; kernels.quantize_x writes it): a row of x holds q (int8 [in]), the remainder r
+// (int8 [in]) and d (f32 [in/8]), x ≈ d·(q + r/128) per octet, d = max|x|/127: 1/32768 of max|x| at worst,
+// against 1/254 with q alone (ds4-CUDA's Q8_K), which moves a tiny model's logits by ~7 % (QUANTS.md §8 ruling 4).
+// Octet g of the row: q[0..1] its q words, q[2..3] its r words, d, and s = Σ x̂ (the Q2_K min term).
+DS_FN void ds_xq_load(const DS_DEV float* xr, uint32_t n_in, uint32_t g, DS_THR uint32_t* q, DS_THR float& d,
+                      DS_THR float& s) {
+  const uint2 a = ((const DS_DEV uint2*)xr)[g], b = ((const DS_DEV uint2*)(xr + n_in / 4))[g];
+  q[0] = a.x; q[1] = a.y; q[2] = b.x; q[3] = b.y;
+  d = xr[n_in / 2 + g];
+  const int sq = ds_dp4a(a.x, 0x01010101u, ds_dp4a(a.y, 0x01010101u, 0));
+  const int sr = ds_dp4a(b.x, 0x01010101u, ds_dp4a(b.y, 0x01010101u, 0));
+  s = d * ((float)sq + (float)sr * (1.0f / 128.0f));
+}
+
 // --- the 32-weight unit: unit u of a row is weights 32u .. 32u+31 -------------------------------------------
 // Every supported type decodes in 32-weight units (one Q8_0 block, a Q4_K sub-block, an IQ2_XXS group,
 // two Q2_K groups, 32 plain elements), so matvec lanes and matmul tiles step through K in units.

@@ -38,7 +38,7 @@ DS_FN void ds_reg_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_TH
   }
 }
 
-// Dot of a loaded unit (IQ2_XXS, Q8_0) with x quantized (mv.h ds_xq_load's layout): q[0..7] the unit's q words,
+// Dot of a loaded unit (IQ2_XXS, Q8_0) with x quantized (ds_xq_load's layout): q[0..7] the unit's q words,
 // q[8..15] its remainder words, d[0..3] its octets' scales. tabs: the IQ2 grid (512 words); an octet's weights
 // become signed bytes as (g ^ m) + (m & 1), m its signs' byte mask.
 DS_FN float ds_reg_dot_q(int qt, const DS_THR uint32_t* raw, const DS_THR uint32_t* q, const DS_THR float* d,
@@ -154,13 +154,9 @@ DS_FN void ds_reg_rows_q2k(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, u
     for (int j = 0; j < 4; ++j) {
       float x[8], xs, xd = 0.0f;  // XQ: x ≈ 128·xd·(q + r/128) over the octet
       uint32_t xw[4];             // XQ: the octet's q words, then its r words
-      if (XQ) {
-        const uint32_t o = 32u * (g >> 3) + 16u * h + 4u * j + p;
-        const uint2 a = ((const DS_DEV uint2*)xr)[o], c = ((const DS_DEV uint2*)(xr + n_in / 4))[o];
-        xw[0] = a.x; xw[1] = a.y; xw[2] = c.x; xw[3] = c.y;
-        xd = xr[n_in / 2 + o] * (1.0f / 128.0f);
-        xs = xd * (float)(128 * ds_dp4a(a.x, 0x01010101u, ds_dp4a(a.y, 0x01010101u, 0))
-                          + ds_dp4a(c.x, 0x01010101u, ds_dp4a(c.y, 0x01010101u, 0)));
+      if (XQ) {  // x's octet of plane j
+        ds_xq_load(xr, n_in, 32u * (g >> 3) + 16u * h + 4u * j + p, xw, xd, xs);
+        xd *= 1.0f / 128.0f;
       } else {
         const float4 t0 = ((const DS_DEV float4*)(xg + 32 * j))[0], t1 = ((const DS_DEV float4*)(xg + 32 * j))[1];
         x[0] = t0.x; x[1] = t0.y; x[2] = t0.z; x[3] = t0.w; x[4] = t1.x; x[5] = t1.y; x[6] = t1.z; x[7] = t1.w;
