@@ -39,20 +39,22 @@ DS_FN void ds_reg_unit_load(int qt, const DS_DEV uint8_t* row, uint32_t u, DS_TH
 }
 
 // Dot of a loaded unit (IQ2_XXS, Q8_0) with x quantized (ds_xq_load's layout): q[0..7] the unit's q words,
-// q[8..15] its remainder words, d[0..3] its octets' scales. tabs: the IQ2 grid (512 words); an octet's weights
-// become signed bytes as (g ^ m) + (m & 1), m its signs' byte mask.
+// q[8..15] its remainder words, d[0..3] its octets' scales. tabs: the IQ2 grid (512 words), then the 128 sign
+// bytes (ds_iq2_signs; 32 words, one a bank, so lanes never conflict); an octet's weights become signed bytes as
+// (g ^ 255·n) + n, n its negative bytes as 0 or 1.
 DS_FN float ds_reg_dot_q(int qt, const DS_THR uint32_t* raw, const DS_THR uint32_t* q, const DS_THR float* d,
                          const DS_TG uint32_t* tabs) {
   float s = 0.0f;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     uint32_t lo = raw[1 + 2 * k], hi = raw[2 + 2 * k];
-    if (qt != DS_Q8_0) {  // the sign masks in ALU ops, not a second table lookup (bank conflicts: random rows)
-      const uint32_t gi = (raw[1] >> (8 * k)) & 255u, sg = ds_iq2_signs((raw[2] >> (7 * k)) & 127u);
-      const uint32_t mlo = (((sg & 15u) * 0x00204081u) & 0x01010101u) * 255u;  // bit j to byte j, as 0 or 0xff
-      const uint32_t mhi = (((sg >> 4) * 0x00204081u) & 0x01010101u) * 255u;
-      lo = (tabs[2 * gi] ^ mlo) + (mlo & 0x01010101u);
-      hi = (tabs[2 * gi + 1] ^ mhi) + (mhi & 0x01010101u);
+    if (qt != DS_Q8_0) {
+      const uint32_t gi = (raw[1] >> (8 * k)) & 255u;
+      const uint32_t sg = ((const DS_TG uint8_t*)(tabs + 512))[(raw[2] >> (7 * k)) & 127u];
+      const uint32_t nlo = ((sg & 15u) * 0x00204081u) & 0x01010101u;  // bit j to byte j
+      const uint32_t nhi = ((sg >> 4) * 0x00204081u) & 0x01010101u;
+      lo = (tabs[2 * gi] ^ (nlo * 255u)) + nlo;
+      hi = (tabs[2 * gi + 1] ^ (nhi * 255u)) + nhi;
     }
     const int dq = ds_dp4a(lo, q[2 * k], ds_dp4a(hi, q[2 * k + 1], 0));
     const int dr = ds_dp4a(lo, q[8 + 2 * k], ds_dp4a(hi, q[9 + 2 * k], 0));
