@@ -273,9 +273,9 @@ def _check_counts(kernel: str, counts: mx.array) -> None:
 
 
 def _check_at(kernel: str, at: mx.array) -> None:
-    """The frontier row of a compressor write (:func:`ds4_mlx.model.compressor.index_array`): int32 ``[1]``."""
-    if at.shape != (1,) or at.dtype != mx.int32:
-        raise ValueError(f"{kernel}: at must be int32 [1], got {tuple(at.shape)} {at.dtype}")
+    """The frontier row of a compressor write (:func:`kernel_index`): int32 ``[8]``, the row first."""
+    if at.shape != (8,) or at.dtype != mx.int32:
+        raise ValueError(f"{kernel}: at must be int32 [8] (kernel_index), got {tuple(at.shape)} {at.dtype}")
 
 
 def _check_f32(name: str, a: mx.array, shape: tuple) -> None:
@@ -661,7 +661,7 @@ def compressor_write(
 ) -> mx.array:
     """One decode token into its compressor frontier ``fr [2, R, W]`` (kv, then score; MODEL.md §4.6):
     ``kv[at] = kv_row``, ``score[at] = score_row + ape`` -> the new frontier. ``kv_row``, ``score_row`` (each
-    ``[1, W]`` or :class:`Cols`) and ``ape`` ``[1, W]`` are f32, ``at`` int32 ``[1]`` (the frontier row)."""
+    ``[1, W]`` or :class:`Cols`) and ``ape`` ``[1, W]`` are f32, ``at`` the frontier row (:func:`kernel_index`)."""
     b = _pick(backend)
     if fr.ndim != 3 or fr.shape[0] != 2:
         raise ValueError(f"compressor_write: the frontier must be [2, R, W], got shape {tuple(fr.shape)}")
@@ -672,8 +672,8 @@ def compressor_write(
                                   for n, a in (("kv_row", kv_row), ("score_row", score_row)))  # fmt: skip
     _check_at("compressor_write", at)
     if b == "fallback":
-        return mx.stack([mx.slice_update(fr[0], cols(kv_row, W), at, axes=(0,)),
-                         mx.slice_update(fr[1], cols(score_row, W) + ape, at, axes=(0,))])  # fmt: skip
+        return mx.stack([mx.slice_update(fr[0], cols(kv_row, W), at[:1], axes=(0,)),
+                         mx.slice_update(fr[1], cols(score_row, W) + ape, at[:1], axes=(0,))])  # fmt: skip
     return get_fused_kernel("comp_write", b)(
         inputs=[fr, kv_in, sc_in, ape, at, _params(R, W, kvo, sco)],
         grid=(R * W, 1, 1),
@@ -739,6 +739,15 @@ def kernel_counts(a: int, b: int) -> mx.array:
     """The ``counts`` input of :func:`attend_one` and :func:`top_k_rows`: int32 ``[8] = (a, b, 0, ...)``, made
     on the host and cached, so a compiled step takes it as an input instead of baking the numbers into its trace."""
     return resident(_params(a, b))
+
+
+def kernel_index(i: int) -> mx.array:
+    """An index that a kernel reads (a compressor's frontier row): int32 ``[8] = (i, 0, ...)``, resident, cached.
+
+    Not int32 ``[1]``: MLX-CUDA serves allocations of up to 8 bytes from a pool in host memory, so every thread
+    that reads such an index waits on the PCIe bus. A 512 KB frontier write took 18 µs reading ``[1]`` or ``[2]``,
+    2.3 µs reading ``[8]`` (Nsight Compute, benchmarks/RESULTS.md, thirty-second session)."""
+    return kernel_counts(i, 0)
 
 
 def attend_one(

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import Cols, compressor_emit, compressor_pool, compressor_write, resident
+from ..kernels.fused import Cols, compressor_emit, compressor_pool, compressor_write, kernel_index, resident
 from ..numerics import RowRounding
 from ..weights import QuantWeight
 from .rope import Rope
@@ -169,7 +169,7 @@ class Compressor:
         """
         r, k = self.ratio, pos % self.ratio
         C, S = self.rope.row(max(pos + 1 - r, 0), self.hd)
-        return {"at": index_array(k + (r if self.coff == 2 else 0)), "ape": self._ape_row[k], "C": C, "S": S}
+        return {"at": kernel_index(k + (r if self.coff == 2 else 0)), "ape": self._ape_row[k], "C": C, "S": S}
 
     def decode(
         self, proj: tuple[mx.array | Cols, mx.array | Cols], fr: mx.array, io: dict[str, mx.array], complete: bool
