@@ -744,9 +744,10 @@ def kernel_counts(a: int, b: int) -> mx.array:
 def kernel_index(i: int) -> mx.array:
     """An index that a kernel reads (a compressor's frontier row): int32 ``[8] = (i, 0, ...)``, resident, cached.
 
-    Not int32 ``[1]``: MLX-CUDA serves allocations of up to 8 bytes from a pool in host memory, so every thread
-    that reads such an index waits on the PCIe bus. A 512 KB frontier write took 18 µs reading ``[1]`` or ``[2]``,
-    2.3 µs reading ``[8]`` (Nsight Compute, benchmarks/RESULTS.md, thirty-second session)."""
+    Not int32 ``[1]``: MLX-CUDA serves allocations of up to 8 bytes from a small-block pool that kernels read
+    like host memory, every thread that reads the index waiting on the bus. A 512 KB frontier write took 18 µs
+    reading ``[1]`` or ``[2]``, 2.3 µs reading ``[8]`` (Nsight Compute, benchmarks/RESULTS.md, thirty-second
+    session)."""
     return kernel_counts(i, 0)
 
 

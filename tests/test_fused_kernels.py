@@ -514,7 +514,7 @@ def test_comp_write_validation():
 
 
 def test_decode_index_inputs_are_not_small_allocations():
-    """A kernel's index input is int32 [8]: MLX-CUDA serves allocations of up to 8 bytes from host memory,
+    """A kernel's index input is int32 [8]: MLX-CUDA's allocations of up to 8 bytes read like host memory,
     where a 512 KB frontier write reading its row index took 18 µs instead of 2.3 (thirty-second session)."""
     at = fused.kernel_index(5)
     assert at.shape == (8,) and at.dtype == mx.int32 and np.array(at).tolist() == [5] + [0] * 7
