@@ -266,16 +266,11 @@ def _f32(*vals: float) -> mx.array:
     return a  # built from host data: already materialized (and safe to create inside a compile trace)
 
 
-def _check_counts(kernel: str, counts: mx.array) -> None:
-    """The ``counts`` block of a decode kernel (:func:`kernel_counts`): int32 ``[8]``."""
-    if counts.shape != (8,) or counts.dtype != mx.int32:
-        raise ValueError(f"{kernel}: counts must be int32 [8], got {tuple(counts.shape)} {counts.dtype}")
-
-
-def _check_at(kernel: str, at: mx.array) -> None:
-    """The frontier row of a compressor write (:func:`kernel_index`): int32 ``[8]``, the row first."""
-    if at.shape != (8,) or at.dtype != mx.int32:
-        raise ValueError(f"{kernel}: at must be int32 [8] (kernel_index), got {tuple(at.shape)} {at.dtype}")
+def _check_block(kernel: str, name: str, a: mx.array) -> None:
+    """An int32 ``[8]`` block a decode kernel reads: its ``counts`` (:func:`kernel_counts`) or a compressor
+    write's frontier row ``at`` (:func:`kernel_index`)."""
+    if a.shape != (8,) or a.dtype != mx.int32:
+        raise ValueError(f"{kernel}: {name} must be int32 [8], got {tuple(a.shape)} {a.dtype}")
 
 
 def _check_f32(name: str, a: mx.array, shape: tuple) -> None:
@@ -628,7 +623,7 @@ def compressor_emit(
         _check_f32(f"compressor_emit: {name}", a, shape)
     (kv_in, kvo), (sc_in, sco) = (_row_in_place(f"compressor_emit: {n}", a, width)
                                   for n, a in (("kv_row", kv_row), ("score_row", score_row)))  # fmt: skip
-    _check_at("compressor_emit", at)
+    _check_block("compressor_emit", "at", at)
     _check_pool_out("compressor_emit", rounding, out_dtype)
     if b == "fallback" or not _pool_kernel_fits(hd):
         new = compressor_write(fr, kv_row, score_row, ape, at, backend="fallback")
@@ -670,7 +665,7 @@ def compressor_write(
     _check_f32("compressor_write: ape", ape, (1, W))
     (kv_in, kvo), (sc_in, sco) = (_row_in_place(f"compressor_write: {n}", a, W)
                                   for n, a in (("kv_row", kv_row), ("score_row", score_row)))  # fmt: skip
-    _check_at("compressor_write", at)
+    _check_block("compressor_write", "at", at)
     if b == "fallback":
         return mx.stack([mx.slice_update(fr[0], cols(kv_row, W), at[:1], axes=(0,)),
                          mx.slice_update(fr[1], cols(score_row, W) + ape, at[:1], axes=(0,))])  # fmt: skip
@@ -792,7 +787,7 @@ def attend_one(
         raise ValueError(f"attend_one: comp must be [cap, {D}] {raw.dtype}, got {tuple(comp.shape)} {comp.dtype}")
     if idx is not None and (comp is None or idx.ndim != 2 or idx.shape[0] != 1 or idx.dtype not in (mx.int32, mx.uint32)):
         raise ValueError(f"attend_one: idx must be [1, k] int32/uint32 rows of comp, got {(idx.shape, idx.dtype)}")
-    _check_counts("attend_one", counts)
+    _check_block("attend_one", "counts", counts)
     nsg = ATTN_NSG.get(b, 8) if nsg is None else nsg
     if nsg not in (1, 2, 4, 8, 16, 32) or (b in TG_MEMORY and 4 * (nsg + 1) * D + 8 * nsg > TG_MEMORY[b]):
         raise ValueError(f"attend_one: nsg={nsg} simdgroups of {D} dims do not fit a {b} threadgroup")
@@ -846,7 +841,7 @@ def index_scores(
     _check_f32("index_scores: iq", iq, (1, H, D))
     w_in, wo = _row_in_place("index_scores: w", w, H)
     _check_f32("index_scores: keys", keys, (N, D))
-    _check_counts("index_scores", counts)
+    _check_block("index_scores", "counts", counts)
     if b == "fallback" or D % 32 or D > 256 or N == 0:
         return index_scores_reference(iq, cols(w, H), keys, scale)
     nsg = INDEX_SCORES_THREADS // 32
@@ -870,7 +865,7 @@ def top_k_rows(scores: mx.array, counts: mx.array, k: int, *, backend: str | Non
     b = _pick(backend)
     if scores.ndim != 2 or scores.shape[0] != 1 or scores.dtype != mx.float32:
         raise ValueError(f"top_k_rows: scores must be f32 [1, N], got {tuple(scores.shape)} {scores.dtype}")
-    _check_counts("top_k_rows", counts)
+    _check_block("top_k_rows", "counts", counts)
     if b == "fallback":
         visible = mx.arange(scores.shape[1])[None, :] < counts[0]
         scores = mx.where(visible, scores, -mx.inf)  # more than k visible: no -inf is selected

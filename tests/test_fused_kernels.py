@@ -480,7 +480,7 @@ def comp_write_inputs(R: int, W: int, at: int, seed: int = 0):
     score[rng.random(R) < 0.3] = NEG
     rows = [rng.standard_normal((1, W)).astype(np.float32) for _ in range(2)]
     ape = mx.array(rng.standard_normal((R, W)).astype(np.float32))[at % R : at % R + 1]  # a row view, as decode passes
-    return kv, score, rows, ape, mx.array([at] + [0] * 7, dtype=mx.int32)
+    return kv, score, rows, ape, fused.kernel_index(at)
 
 
 def frontier(kv, score) -> mx.array:
