@@ -14,8 +14,13 @@ Kernels:
 - ``mv_reg``: the same results for the types and epilogues of ``MV_REG``, each thread reading its rows' bytes
   straight into registers instead of staging spans in threadgroup memory; where measured faster on CUDA (the
   routed gate+up with quantized x, the F16 matvecs), ``mv`` dispatches to it.
-- ``mm``: tiled prefill matmul, dense or expert-gathered (``mul_mm_id`` over a sorted pair list): bf16 tiles,
-  f32 accumulation (QUANTS.md §8 ruling 2).
+- ``mm``: the routed experts' prefill product (``mul_mm_id`` over a pair list sorted by expert): 128 weight rows
+  by 32 or 64 tokens a threadgroup, bf16 tiles, f32 accumulation (QUANTS.md §8 ruling 2); an epilogue for the
+  experts' SwiGLU of gate and up in one launch.
+- ``deq``: weight rows decoded to exact f32, for the dense prefill products, which then run on MLX's own matmul
+  (cuBLAS on CUDA, TF32 tensor cores with f32 accumulation).
+- ``index_mm``: the indexer's scores of a prefill chunk, one tiled product with the ReLU and the head-weighted sum
+  as its epilogue (the [T, H, N] head scores never reach memory).
 - Q8_0 2-D weights can instead run through MLX's own affine 8-bit kernels after a lossless repack
   (``u = q + 128, scale = d, bias = -128 d``, QUANTS.md §4.3), see :func:`q8_0_affine` and :func:`q8_mode`.
 """
@@ -64,10 +69,14 @@ MV_SHORT_K = MV_SPAN
 #: 3584 threadgroups: KS 2 was slower).
 MV_KSPLIT_ALL = 128
 MV_KSPLIT_BELOW = 1024
-#: Token tile widths of the prefill kernel (dense and gathered).
-MM_BN_DENSE = 64
-MM_BN_GATHER = 32
-MM_BN_CHOICES = (16, 32, 64)
+#: Token tile widths of the experts' prefill kernel: 64 once the pairs average at least MM_BN_WIDE_MIN an expert
+#: (a 2048-token chunk gives 48 of the 6 x 2048 pairs to each of 256 experts), else 32.
+MM_BN_CHOICES = (32, 64)
+MM_BN_WIDE_MIN = 24
+#: The experts' prefill kernel's epilogues: the plain product, and the SwiGLU of gate and up (``w2``).
+MM_PLAIN, MM_SWIGLU = 0, 1
+#: Largest f32 slab (elements) a dense prefill product dequantizes at once: 2**26 floats = 256 MiB.
+DEQ_MAX_ELEMS = 1 << 26
 #: Up to this many tokens, dense and gathered products use the matvec kernel.
 MV_MAX_TOKENS = 8
 #: Matvec epilogues (mv.body ``EPI``): plain, SwiGLU of two weights (gate, up), sum over each token's experts,
@@ -137,8 +146,14 @@ def reg_config(epi: int, n_in: int) -> tuple[int, int, int]:
 INPUTS = {
     "mv": ["w", "x", "ids", "params", "w2", "aux", "ws"],
     "mv_reg": ["w", "x", "ids", "params", "w2", "aux", "ws"],
-    "mm": ["w", "x", "ids", "tiles", "params"],
+    "mm": ["w", "x", "ids", "tiles", "params", "w2", "aux"],
+    "deq": ["w", "params"],
+    "index_mm": ["iq", "hw", "keys", "params"],
 }
+#: Kernels whose helpers live in another kind's header (``<kind>.h``).
+HEADER_OF = {"deq": "mm", "index_mm": "mm"}
+#: Indexer head counts the chunk's index-score kernel is built for (any H dividing 128 works).
+INDEX_MM_HEADS = (16, 64)
 
 METAL_PROLOGUE = """\
 const uint3 ds_tg_id = threadgroup_position_in_grid;
@@ -226,7 +241,8 @@ def render_header(kind: str, backend: str, iq2_grid: bool = True) -> str:
     """Quant kernel ``kind``'s ``header``: the prelude, the IQ2 grid (a zero placeholder where no IQ2_XXS
     weight is read, see ds_quant.h), ds_quant.h, then the kernel's own helpers (``<kind>.h``)."""
     words = iq2_grid_words() if iq2_grid else "0u"
-    return f"{render_prelude(backend)}#define DS_IQ2_GRID_WORDS {words}\n{_read('ds_quant.h')}{_read(f'{kind}.h')}"
+    own = HEADER_OF.get(kind, kind)
+    return f"{render_prelude(backend)}#define DS_IQ2_GRID_WORDS {words}\n{_read('ds_quant.h')}{_read(f'{own}.h')}"
 
 
 def render_source(kind: str, backend: str) -> str:
@@ -303,7 +319,7 @@ class Instantiation:
     @property
     def iq2_grid(self) -> bool:
         t = dict(self.template)
-        return QT.IQ2_XXS in (t["QT"], t.get("SQT"))
+        return "QT" in t and QT.IQ2_XXS in (t["QT"], t.get("SQT"))
 
 
 def mv_config(qtype: QT, n_out: int, n_rows: int, epi: int = MV_PLAIN, n_in: int = 0) -> tuple[int, int, int]:
@@ -365,8 +381,12 @@ def mv_reg_template(
             ("QY", bool(qy)))  # fmt: skip
 
 
-def mm_template(qtype: QT, bn: int, gather: bool) -> tuple:
-    return (("QT", int(qtype)), ("BN", bn), ("GATHER", bool(gather)))
+def mm_template(qtype: QT, bn: int, epi: int = MM_PLAIN) -> tuple:
+    return (("QT", int(qtype)), ("BN", bn), ("EPI", epi))
+
+
+def deq_template(qtype: QT) -> tuple:
+    return (("QT", int(qtype)),)
 
 
 def instantiations() -> list[Instantiation]:
@@ -386,8 +406,12 @@ def instantiations() -> list[Instantiation]:
                         xq_ok = sh is not None and epi == MV_SWIGLU and qt in MV_XQ_TYPES  # the model's gate+up
                         for xq in (False, True) if xq_ok else (False,):
                             out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, sh, xq)))
-            for bn in MM_BN_CHOICES:
-                out.append(Instantiation("mm", mm_template(qt, bn, gather)))
+        for bn in MM_BN_CHOICES:
+            for epi in (MM_PLAIN, MM_SWIGLU):
+                out.append(Instantiation("mm", mm_template(qt, bn, epi)))
+        out.append(Instantiation("deq", deq_template(qt)))
+    for h in INDEX_MM_HEADS:
+        out.append(Instantiation("index_mm", (("H", h),)))
     for epi, reg in MV_REG.items():
         for qt, gather, xq in itertools.product(reg.types, reg.gathers, reg.xqs):
             for sh in (None, MV_SHARED_TYPE) if epi in (MV_SWIGLU, MV_SUM) else (None,):
@@ -398,7 +422,7 @@ def instantiations() -> list[Instantiation]:
 
 
 _CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_t", "params": "int32_t",
-                "w2": "uint8_t", "aux": "float", "ws": "uint8_t"}
+                "w2": "uint8_t", "aux": "float", "ws": "uint8_t", "iq": "float", "hw": "float", "keys": "float"}
 
 
 def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
@@ -409,7 +433,11 @@ def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
     """
     parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cooperative_groups.h>\n#include <mma.h>\n"]
     for i, inst in enumerate(insts):
-        params = ", ".join(f"const {_CUDA_DTYPES[n]}* {n}" for n in INPUTS[inst.kind]) + ", float* y"
+        t = dict(inst.template)
+        x_bf16 = inst.kind == "mm"  # the experts' prefill product reads x as bf16; its SwiGLU writes bf16
+        params = ", ".join(f"const {'__nv_bfloat16' if n == 'x' and x_bf16 else _CUDA_DTYPES[n]}* {n}"
+                           for n in INPUTS[inst.kind])
+        params += f", {'__nv_bfloat16' if x_bf16 and t.get('EPI') == MM_SWIGLU else 'float'}* y"
         consts = "".join(
             f"constexpr bool {k} = {'true' if v else 'false'};\n" if isinstance(v, bool) else f"constexpr int {k} = {v};\n"
             for k, v in inst.template
@@ -606,21 +634,36 @@ def _mv_plan(
     return "mv", wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 
-def mm_dense(qw, x2: mx.array, backend: str, bn: int = MM_BN_DENSE, init=None) -> mx.array:
-    """Tiled matmul kernel: x2 [N, in] → [N, out]."""
-    n_out, n_in = qw.shape
-    wb = weight_bytes(qw)
-    N = x2.shape[0]
-    params = _params(n_in, n_out, wb.shape[-1], 1, 0, N)
-    return get_kernel("mm", backend, qw.qtype == QT.IQ2_XXS)(
-        inputs=[wb, x2, _dummy(), _dummy(), params],
-        template=list(mm_template(qw.qtype, bn, False)),
-        grid=(-(-N // bn) * 128, -(-n_out // 64), 1),
-        threadgroup=(128, 1, 1),
-        output_shapes=[(N, n_out)],
+def dequantize(qw, backend: str, rows: tuple[int, int] | None = None) -> mx.array:
+    """The weight's exact values as float32 ``qw.shape`` (the ``deq`` kernel), or only output rows ``rows =
+    (start, stop)`` of a 2-D weight, ``[stop - start, in]``."""
+    *lead, n_in = qw.shape
+    wb = weight_bytes(qw).reshape(-1, weight_bytes(qw).shape[-1])
+    shape = tuple(qw.shape)
+    if rows is not None:
+        wb, shape = wb[rows[0] : rows[1]], (rows[1] - rows[0], n_in)
+    n_rows = wb.shape[0]
+    threads = n_rows * (n_in // 16)
+    return get_kernel("deq", backend, qw.qtype == QT.IQ2_XXS)(
+        inputs=[wb, _params(n_in, n_rows, wb.shape[-1])],
+        template=list(deq_template(qw.qtype)),
+        grid=(-(-threads // 256) * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[shape],
         output_dtypes=[mx.float32],
-        init_value=init,  # tests pass NaN to catch unwritten outputs
     )[0]
+
+
+def dense_matmul(qw, x2: mx.array, backend: str) -> mx.array:
+    """``x2 [N, in] @ W.T`` -> float32 ``[N, out]`` for a prefill chunk: the weight decoded to f32 (``deq``), at
+    most DEQ_MAX_ELEMS of it at a time, times x with MLX's matmul (cuBLAS on CUDA: TF32 tensor cores with f32
+    accumulation, finer than the bf16 tiles of ``mm``). The f32 slabs are transient: nothing stays resident."""
+    n_out, n_in = qw.shape
+    step = max(1, DEQ_MAX_ELEMS // n_in)
+    if step >= n_out:
+        return x2 @ dequantize(qw, backend).T
+    return mx.concatenate([x2 @ dequantize(qw, backend, (r, min(r + step, n_out))).T for r in range(0, n_out, step)],
+                          axis=1)  # fmt: skip
 
 
 def route_tiles(flat: mx.array, n_expert: int, bn: int) -> tuple[mx.array, mx.array]:
@@ -647,25 +690,95 @@ def route_tiles(flat: mx.array, n_expert: int, bn: int) -> tuple[mx.array, mx.ar
     return order, tiles
 
 
-def mm_gather(
-    qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, bn: int = MM_BN_GATHER, init=None
-) -> mx.array:
-    """Expert-gathered tiled matmul: flat ids [P], x2 [P or P/k, in] → [P, out]."""
-    E, n_out, n_in = qw.shape
-    wb = weight_bytes(qw)
-    P = flat.size
-    order, tiles = route_tiles(flat, E, bn)
-    per_slot = int(x2.shape[0] == P and k_slots > 1)
-    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P)
-    return get_kernel("mm", backend, qw.qtype == QT.IQ2_XXS)(
-        inputs=[wb, x2, _pad_ids(order, backend), tiles.reshape(-1), params],
-        template=list(mm_template(qw.qtype, bn, True)),
-        grid=(tiles.shape[0] * 128, -(-n_out // 64), 1),
-        threadgroup=(128, 1, 1),
-        output_shapes=[(P, n_out)],
+def index_scores_chunk(iq: mx.array, hw: mx.array, keys: mx.array, backend: str) -> mx.array:
+    """The indexer's scores of a prefill chunk: ``y [T, N] = Σ_h hw[t, h] · relu(keys[c] · iq[t, h])`` for ``iq
+    [T, H, 128]``, ``hw [T, H]`` (head weights times the scale), ``keys [N, 128]``, all float32, in one launch
+    (``index_mm``). Its tiles are bf16: exact for bf16-exact inputs (FP4-simulated queries and rows)."""
+    T, H, D = iq.shape
+    N = keys.shape[0]
+    if D != 128 or 128 % H or hw.shape != (T, H) or keys.shape != (N, D):
+        raise ValueError(f"index_scores_chunk: iq {iq.shape}, hw {hw.shape}, keys {keys.shape} do not fit "
+                         f"[T, H | 128, 128], [T, H], [N, 128]")  # fmt: skip
+    f32 = [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (iq, hw, keys)]
+    return get_kernel("index_mm", backend, False)(
+        inputs=[*f32, _params(T, N)],
+        template=[("H", H)],
+        grid=(-(-N // 64) * 256, -(-T // (128 // H)), 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(T, N)],
         output_dtypes=[mx.float32],
-        init_value=init,  # tests pass NaN to catch unwritten outputs
     )[0]
+
+
+def mm_bn(n_pairs: int, n_expert: int) -> int:
+    """The token tile width of ``mm`` for ``n_pairs`` pairs over ``n_expert`` experts (MM_BN_WIDE_MIN)."""
+    return 64 if n_pairs >= MM_BN_WIDE_MIN * n_expert else 32
+
+
+class Routes(NamedTuple):
+    """The pairs of a routed prefill product sorted by expert, and their token tiles (:func:`route_tiles`):
+    made once, read by the gate+up and the down launches."""
+
+    order: mx.array
+    tiles: mx.array
+    bn: int
+
+
+def routes_for(flat: mx.array, n_expert: int, backend: str, bn: int | None = None) -> Routes:
+    """:class:`Routes` of the flat expert ids ``[P]`` (``bn`` default: :func:`mm_bn`)."""
+    bn = bn or mm_bn(flat.size, n_expert)
+    if bn not in MM_BN_CHOICES:
+        raise ValueError(f"mm: token tile width {bn} not in {MM_BN_CHOICES}")
+    order, tiles = route_tiles(flat, n_expert, bn)
+    return Routes(_pad_ids(order, backend), tiles.reshape(-1), bn)
+
+
+def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Routes | None, epi: int, w2=None,
+        aux: mx.array | None = None, clamp: float = 0.0, init=None) -> mx.array:  # fmt: skip
+    E, n_out, n_in = qw.shape
+    P = flat.size
+    if n_in % 32 or not supports(qw):
+        raise ValueError(f"mm: no kernel for {qw!r}")
+    if x2.ndim != 2 or x2.shape[1] != n_in or x2.shape[0] not in (P, P // k_slots) or P % k_slots:
+        raise ValueError(f"mm: x {x2.shape} does not fit {P} pairs of {k_slots} slots and in = {n_in}")
+    routes = routes or routes_for(flat, E, backend)
+    wb = weight_bytes(qw)
+    per_slot = int(x2.shape[0] == P and k_slots > 1)
+    clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
+    params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(aux is not None))
+    ro = 64 if epi == MM_SWIGLU else 128
+    return get_kernel("mm", backend, qw.qtype == QT.IQ2_XXS)(
+        inputs=[wb, x2 if x2.dtype == mx.bfloat16 else x2.astype(mx.bfloat16), routes.order, routes.tiles, params,
+                _dummy(mx.uint8) if w2 is None else weight_bytes(w2),
+                _dummy(mx.float32) if aux is None else _pad8(aux.astype(mx.float32), backend)],
+        template=list(mm_template(qw.qtype, routes.bn, epi)),
+        grid=(routes.tiles.size // 4 * 256, -(-n_out // ro), 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(P, n_out)],
+        output_dtypes=[mx.bfloat16 if epi == MM_SWIGLU else mx.float32],
+        init_value=init,  # tests pass NaN to catch unwritten outputs
+    )[0]  # fmt: skip
+
+
+def mm_gather(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, *, routes: Routes | None = None,
+              init=None) -> mx.array:  # fmt: skip
+    """The routed experts' prefill product: flat expert ids ``[P]`` (pair p = token·k_slots + slot), ``x2`` one
+    row per token ``[P/k, in]`` or per pair ``[P, in]`` (f32 or bf16: the kernel reads it as bf16) -> float32
+    ``[P, out]``, row p = ``W[flat[p]] @ x(p)``. ``routes``: :func:`routes_for` of ``flat``, to share."""
+    return _mm(qw, x2, flat, k_slots, backend, routes, MM_PLAIN, init=init)
+
+
+def mm_gather_swiglu(gate, up, x2: mx.array, flat: mx.array, k_slots: int, clamp: float, backend: str, *,
+                     route_w: mx.array | None = None, routes: Routes | None = None, init=None) -> mx.array:  # fmt: skip
+    """The routed experts' SwiGLU in one launch: ``silu(min(g, c)) * clamp(u, -c, c)`` of ``g = gate[e] x``,
+    ``u = up[e] x`` (no clamp if ``clamp`` <= 0), times the route weight ``route_w [P]`` if given -> bfloat16
+    ``[P, F]`` (the down product's input, rounded as its bf16 tiles round it). Shapes as :func:`mm_gather`."""
+    if (gate.shape, gate.qtype) != (up.shape, up.qtype):
+        raise ValueError(f"mm: gate {gate!r} and up {up!r} differ")
+    if route_w is not None and route_w.size != flat.size:
+        raise ValueError(f"mm: {route_w.size} route weights for {flat.size} pairs")
+    return _mm(gate, x2, flat, k_slots, backend, routes, MM_SWIGLU, up,
+               None if route_w is None else route_w.reshape(-1), clamp, init)  # fmt: skip
 
 
 # --- lossless Q8_0 → MLX affine 8-bit (QUANTS.md §4.3, §8 ruling 1) ---------------------------------------
@@ -740,7 +853,7 @@ def matmul(qw, x: mx.array | Cols, backend: str) -> mx.array:
     elif not supports(qw):
         y = qw._fallback_matmul(x2)
     else:
-        y = mm_dense(qw, x2, backend)
+        y = dense_matmul(qw, x2, backend)
     return y.reshape(*lead, qw.shape[0])
 
 

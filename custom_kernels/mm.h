@@ -1,4 +1,27 @@
-// mm.h: helpers of the prefill matmul (mm.body), after ds_quant.h in its `header`.
+// mm.h: helpers of the prefill kernels (mm.body, deq.body), after ds_quant.h in their `header`.
+
+// The experts' prefill product reads x as bfloat16 (the B tile's precision: rounding it once, before the launch,
+// gives the same tile values). ds_copy_x8: 8 values of x into the B tile, or zeros.
+#if defined(DS_METAL)
+typedef bfloat16_t ds_xin_t;
+DS_FN void ds_copy_x8(threadgroup ds_tile_t* dst, const device ds_xin_t* src, bool ok) {
+#pragma unroll
+  for (int i = 0; i < 8; i += 4)
+    *((threadgroup float4*)(dst + i)) =
+        ok ? float4(float(src[i]), float(src[i + 1]), float(src[i + 2]), float(src[i + 3])) : float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+#else
+typedef __nv_bfloat16 ds_xin_t;
+DS_FN void ds_copy_x8(ds_tile_t* dst, const ds_xin_t* src, bool ok) {  // 16 bytes: both 16-byte aligned
+  uint4 v;
+  if (ok) {
+    v = *((const uint4*)src);
+  } else {
+    v.x = v.y = v.z = v.w = 0u;
+  }
+  *((uint4*)dst) = v;
+}
+#endif
 
 // Dequantize 16 weights: half `hf` (0/1) of unit u of `row`, exact f32 values (QUANTS.md §1.7).
 DS_FN void ds_deq16(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf, DS_THR float* out) {

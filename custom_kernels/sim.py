@@ -113,12 +113,14 @@ class SimKernel:
         outs = []
         for shape, dt in zip(output_shapes, output_dtypes):
             o = np.empty(tuple(shape), NP_TYPES[dt])
-            if init_value is not None:
-                o[...] = init_value
-            elif np.issubdtype(o.dtype, np.floating):
-                o[...] = np.nan
-            else:
+            fill = np.nan if init_value is None and (dt == mx.bfloat16 or np.issubdtype(o.dtype, np.floating)) \
+                else init_value
+            if fill is None:
                 o.view(np.uint8)[...] = 0xA5
+            elif dt == mx.bfloat16:  # the value's bf16 bits (its f32 bits' high half: exact for NaN and init values)
+                o[...] = np.array(fill, np.float32).view(np.uint32) >> 16
+            else:
+                o[...] = fill
             outs.append(o)
         text = self.render([a.dtype for a in inputs], list(output_dtypes), template)
         if verbose:

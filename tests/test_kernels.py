@@ -47,7 +47,7 @@ def n_in_for(qt):
 # --- CPU-runnable ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bn", [16, 32])
+@pytest.mark.parametrize("bn", [32, 64])
 @pytest.mark.parametrize(
     "ids",
     [np.array([[5, 1, 5, 9, 0, 15]] * 7), np.full((40, 6), 3), np.arange(6 * 31).reshape(31, 6) % 16, np.zeros((1, 1))],
@@ -181,15 +181,28 @@ def test_mv_rms_validation():
 
 @needs_gpu
 @pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
-@pytest.mark.parametrize("N,bn", [(9, 64), (33, 64), (100, 32), (512, 64), (17, 16)])
-def test_mm_dense(qt, N, bn):
-    rng = np.random.default_rng(int(qt) * 1000 + N)
+def test_dequantize_is_exact(qt):
+    """deq: every weight's exact value (2-D, 3-D, and a slab of rows), as gguf-py decodes it."""
+    rng = np.random.default_rng(int(qt) + 3)
+    w, ref = make_weight(rng, qt, (3, 5, n_in_for(qt)), np.float32)
+    np.testing.assert_array_equal(np.array(kernels.dequantize(w, BACKEND)), ref)
+    w2, ref2 = make_weight(rng, qt, (75, n_in_for(qt)), np.float32)
+    np.testing.assert_array_equal(np.array(kernels.dequantize(w2, BACKEND, (10, 47))), ref2[10:47])
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.F16, QT.IQ2_XXS], ids=lambda q: q.name)
+def test_dense_matmul_in_slabs(qt, monkeypatch):
+    """A prefill chunk's dense product: exact f32 weights times x (f32 on the CPU), also when the weight is
+    decoded a slab of rows at a time."""
+    rng = np.random.default_rng(int(qt) + 5)
     w, ref = make_weight(rng, qt, (75, n_in_for(qt)), np.float32)
-    x = rng.standard_normal((N, w.shape[1])).astype(np.float32)
-    y = np.array(kernels.mm_dense(w, mx.array(x), BACKEND, bn=bn, init=NAN))
-    assert y.shape == (N, 75) and not np.isnan(y).any()
-    assert rel_err(y, x, ref, "ni,oi->no") <= BF16_TOL
-    assert rel_err(y, bf16(x), bf16(ref), "ni,oi->no") <= BF16_EMU_TOL
+    x = rng.standard_normal((13, w.shape[1])).astype(np.float32)
+    whole = np.array(kernels.dense_matmul(w, mx.array(x), BACKEND))
+    monkeypatch.setattr(kernels, "DEQ_MAX_ELEMS", 20 * w.shape[1])  # 4 slabs of 20 rows
+    slabs = np.array(kernels.dense_matmul(w, mx.array(x), BACKEND))
+    np.testing.assert_array_equal(slabs, whole)
+    assert rel_err(whole, x, ref, "ni,oi->no") <= (F32_TOL if BACKEND == "sim" else 2e-3)  # TF32 on CUDA
 
 
 GATHER_CASES = {
@@ -233,6 +246,61 @@ def test_gather(qt, case, per_slot):
     with kernel_backend_set(BACKEND):
         y2 = np.array(w.gather_matmul(mx.array(x), mx.array(ids)))
     np.testing.assert_array_equal(y2, y)
+
+
+@needs_gpu
+@pytest.mark.parametrize("qt", [QT.IQ2_XXS, QT.Q2_K, QT.Q4_K, QT.F16], ids=lambda q: q.name)
+@pytest.mark.parametrize("case", ["n9", "n33_unhit", "n40_one_expert"])
+@pytest.mark.parametrize("bn", kernels.MM_BN_CHOICES)
+def test_gather_swiglu(qt, case, bn):
+    """mm's SwiGLU epilogue: gate and up of the same expert rows in one tile, clamped SwiGLU times the route
+    weight, rounded to bf16; both token tile widths, an expert with more pairs than a tile, unhit experts."""
+    rng = np.random.default_rng(int(qt) * 11 + len(case) + bn)
+    E, F = 16, 70  # F not a multiple of the tile's 64 rows
+    gate, g_ref = make_weight(rng, qt, (E, F, n_in_for(qt)), np.float32)
+    up, u_ref = make_weight(rng, qt, (E, F, n_in_for(qt)), np.float32)
+    ids = GATHER_CASES[case](rng).astype(np.int32)
+    N, k = ids.shape
+    x = rng.standard_normal((N, gate.shape[2])).astype(np.float32)
+    rw = rng.uniform(0.1, 1.0, (N, k)).astype(np.float32)
+    flat = mx.array(ids.reshape(-1))
+    routes = kernels.routes_for(flat, E, BACKEND, bn)
+    clamp = 2.0
+    got = kernels.mm_gather_swiglu(gate, up, mx.array(x), flat, k, clamp, BACKEND, route_w=mx.array(rw),
+                                   routes=routes, init=NAN)  # fmt: skip
+    assert got.dtype == mx.bfloat16 and got.shape == (N * k, F)
+    got = np.array(got.astype(mx.float32)).reshape(N, k, F)
+    assert not np.isnan(got).any()
+    xb = bf16(x).astype(np.float64)
+
+    def swiglu(g, u, c):  # f64, from the products of the same bf16 operands
+        g, u = (np.minimum(g, c), np.clip(u, -c, c)) if c > 0 else (g, u)
+        with np.errstate(over="ignore"):
+            return g / (1 + np.exp(-g)) * u
+
+    g = np.einsum("ni,nkoi->nko", xb, bf16(g_ref)[ids].astype(np.float64))
+    u = np.einsum("ni,nkoi->nko", xb, bf16(u_ref)[ids].astype(np.float64))
+    # the bf16 result's rounding (2^-9), plus f32 accumulation where a product nearly cancels
+    tol = lambda want: 2**-8 * np.abs(want) + 1e-4 * np.abs(want).max()  # noqa: E731
+    want = swiglu(g, u, clamp) * rw[..., None]
+    assert np.all(np.abs(got - want) <= tol(want))
+    # no route weights, no clamp: the plain SwiGLU of the two products
+    got = np.array(kernels.mm_gather_swiglu(gate, up, mx.array(x), flat, k, 0.0, BACKEND).astype(mx.float32))
+    want = swiglu(g, u, 0.0)
+    assert np.all(np.abs(got.reshape(N, k, F) - want) <= tol(want))
+
+
+def test_mm_rejects_mismatched_inputs():
+    rng = np.random.default_rng(2)
+    w, _ = make_weight(rng, QT.Q8_0, (4, 24, 256), np.float32)
+    flat = mx.array(np.zeros(12, np.int32))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.mm_gather(w, mx.zeros((5, 256)), flat, 6, "sim")
+    with pytest.raises(ValueError, match="token tile width"):
+        kernels.routes_for(flat, 4, "sim", bn=48)
+    w2, _ = make_weight(rng, QT.Q8_0, (4, 32, 256), np.float32)
+    with pytest.raises(ValueError, match="differ"):
+        kernels.mm_gather_swiglu(w, w2, mx.zeros((2, 256)), flat, 6, 0.0, "sim")
 
 
 def test_quantize_x_layout():

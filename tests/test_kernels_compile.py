@@ -27,16 +27,19 @@ sys.path.insert(0, sys.argv[1])
 from ds4_mlx.weights import _kernels
 k = _kernels()
 def arrays(kind):
-    common = dict(w=mx.zeros((64,), dtype=mx.uint8), x=mx.zeros((64,)), ids=mx.zeros((8,), dtype=mx.int32),
+    x = mx.zeros((64,), dtype=mx.bfloat16 if kind == "mm" else mx.float32)  # mm reads x as bf16
+    common = dict(w=mx.zeros((64,), dtype=mx.uint8), x=x, ids=mx.zeros((8,), dtype=mx.int32),
                   tiles=mx.zeros((8,), dtype=mx.int32), params=mx.zeros((8,), dtype=mx.int32),
                   w2=mx.zeros((64,), dtype=mx.uint8), aux=mx.zeros((8,)), ws=mx.zeros((64,), dtype=mx.uint8))
     return [common[n] for n in k.INPUTS[kind]]
+def out_dtype(inst):  # mm's SwiGLU writes bf16
+    return mx.bfloat16 if inst.kind == "mm" and dict(inst.template)["EPI"] == k.MM_SWIGLU else mx.float32
 d = tempfile.mkdtemp()
 for i, inst in enumerate(k.instantiations()):
     kern = k.get_kernel(inst.kind, "metal", inst.iq2_grid)
     def f(*a):
         return kern(inputs=list(a), template=list(inst.template), grid=(128, 1, 1), threadgroup=(128, 1, 1),
-                    output_shapes=[(8,)], output_dtypes=[mx.float32], verbose=True)[0]
+                    output_shapes=[(8,)], output_dtypes=[out_dtype(inst)], verbose=True)[0]
     print(f"@@@ {inst.tag}", flush=True)
     mx.export_function(os.path.join(d, f"{i}.mlxfn"), f, *arrays(inst.kind))
 """
@@ -80,8 +83,10 @@ def test_instantiation_matrix_covers_every_type_and_kind():
             # every launch shape the dispatcher picks (kernels.mv_config), short rows and K splits included
             for nr, nsg, ks in kernels.mv_launch_shapes(qt, kernels.MV_PLAIN):
                 assert f"mv_QT{int(qt)}_NR{nr}_NSG{nsg}_GATHER{g}_KS{ks}_EPI0_SH0_SQT{int(qt)}_XQ0" in tags
-            for bn in kernels.MM_BN_CHOICES:
-                assert f"mm_QT{int(qt)}_BN{bn}_GATHER{g}" in tags
+        for bn in kernels.MM_BN_CHOICES:
+            for epi in (kernels.MM_PLAIN, kernels.MM_SWIGLU):
+                assert f"mm_QT{int(qt)}_BN{bn}_EPI{epi}" in tags
+        assert f"deq_QT{int(qt)}" in tags
     for qt, n_out, rows, epi, n_in in _MODEL_LAUNCHES:
         nr, nsg, ks = kernels.mv_config(qt, n_out, rows, epi, n_in)
         assert any(f"_NR{nr}_NSG{nsg}_" in t and f"_KS{ks}_EPI{epi}_" in t and t.startswith(f"mv_QT{int(qt)}_")
