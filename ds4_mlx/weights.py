@@ -228,6 +228,20 @@ class QuantWeight:
             return _kernels().gather_matmul(self, x, ids, backend, out_shape)
         return self._fallback_gather_matmul(x, ids, out_shape)
 
+    def batched_matmul(self, x: mx.array) -> mx.array:
+        """``x [G, T, in]`` times each matrix of a 3-D ``(G, out, in)`` weight: ``[G, T, out]``, ``y[g] = x[g] @ W[g].T``.
+
+        The weight decoded to f32 (by a kernel on the GPU backends), then MLX's batched matmul: for prefill chunks,
+        where a grouped product has many tokens per matrix (the attention's grouped output projection)."""
+        if len(self.shape) != 3 or x.ndim != 3 or x.shape[0] != self.shape[0] or x.shape[2] != self.in_features:
+            raise ValueError(f"batched_matmul: x {x.shape} does not fit {self!r}")
+        backend = kernel_backend()
+        if backend != "fallback" and _kernels().supports(self):
+            w = _kernels().dequantize(self, backend)
+        else:
+            w = self.dequantize()
+        return x.astype(mx.float32) @ w.swapaxes(1, 2)
+
     # --- pure-MLX fallback ------------------------------------------------------------------------------
 
     def _fallback_matmul(self, x: mx.array) -> mx.array:

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
+from ..kernels import MV_MAX_TOKENS
 from ..kernels.fused import Cols, attend_one, kernel_counts, qkv_rows, top_k_rows  # Metal/CUDA kernels; MLX on CPU
 from ..numerics import Numerics, get_numerics, kv_rounding
 from ..weights import QuantWeight
@@ -31,8 +32,11 @@ from .compressor import Compressor, CompressorState, index_array
 from .indexer import Indexer, select_top_k, selected_indices
 from .rope import Rope, apply_rope
 
-# Prefill attention runs in blocks of queries whose score matrices fit in this many bytes.
+# Prefill attention runs in blocks of queries whose score matrices (and gathered rows) fit in this many bytes,
+# and of at most ATTN_BLOCK_QUERIES queries: a block's raw keys are the band of its queries' windows, of which
+# each query sees n_swa, so longer blocks compute more masked scores.
 ATTN_BLOCK_BYTES = 1 << 28
+ATTN_BLOCK_QUERIES = 256
 # With more than this many compressed rows per top-k slot, a prefill block gathers each query's selected
 # rows ([T, k, D]) instead of masking a [T, H, N] score matrix (decode always gathers).
 GATHER_MIN_ROWS_PER_K = 4
@@ -378,12 +382,17 @@ class Attention:
     # --- chunks -------------------------------------------------------------------------------------------
 
     def _query_block(self, T: int, keep: int, cache: LayerCache) -> int:
-        """Queries per block: the [block, heads, keys] scores (and indexer dots) stay under ATTN_BLOCK_BYTES."""
-        keys = min(keep + T, self.n_swa + T) + (cache.n_comp if self.ratio else 0)
-        width = self.n_head * keys
+        """Queries per block: the [block, heads, keys] scores, the indexer's head scores (unless fused) and the
+        gathered rows stay under ATTN_BLOCK_BYTES; at most ATTN_BLOCK_QUERIES."""
+        comp = cache.n_comp if self.ratio else 0
+        if self.indexer is not None and comp >= GATHER_MIN_ROWS_PER_K * self.indexer.top_k:
+            comp = self.indexer.top_k  # each query's selected rows, gathered
+        width = self.n_head * (min(keep + T, self.n_swa + T) + comp)
         if self.indexer is not None:
-            width = max(width, self.indexer.n_head * cache.n_index)
-        return max(1, min(T, ATTN_BLOCK_BYTES // (4 * max(1, width))))
+            if not self.indexer.chunk_kernel:  # its [block, heads, rows] head scores
+                width = max(width, self.indexer.n_head * cache.n_index)
+            width = max(width, self.indexer.top_k * self.head_dim)  # gathered rows [block, top_k, D]
+        return max(1, min(T, ATTN_BLOCK_QUERIES, ATTN_BLOCK_BYTES // (4 * max(1, width))))
 
     def _attend_block(
         self, q: mx.array, qa: mx.array, n: mx.array, pos: int, i0: int, raw_keys: mx.array, keep: int,
@@ -431,6 +440,9 @@ class Attention:
         """``low [T, G*o_lora]``: group g (heads g*H/G ..) times its own o_lora rows of attn_output_a."""
         T = o.shape[0]
         G, L = self.n_group, self.o_lora
+        if T > MV_MAX_TOKENS:  # a chunk: G dense products of T tokens each
+            y = self._output_a_grouped().batched_matmul(o.reshape(T, G, -1).swapaxes(0, 1))  # [G, T, L]
+            return y.swapaxes(0, 1).reshape(T, G * L)
         # attn_output_a viewed as G "experts" of shape [L, (H/G)*D]; token t's slot g uses expert g (its heads
         # g*H/G.. of o, read as [T, G, (H/G)*D]), so each row block is read once and multiplied only by its own
         # group (no G x wasted work or weight reads).

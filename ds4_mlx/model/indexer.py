@@ -20,7 +20,9 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels.fused import index_query, index_scores, index_scores_reference  # Metal/CUDA kernels; MLX on CPU
+from ..kernels import index_scores_chunk
 from ..numerics import Numerics, indexer_rounding
+from ..weights import kernel_backend
 from .compressor import Compressor
 from .rope import Rope
 
@@ -54,7 +56,15 @@ class Indexer:
         iq = index_query(qb, C, S, self.n_head, self.numerics.indexer_qat)  # [T, H_i, 128]
         if counts is not None:
             return index_scores(iq, hw, keys, counts, self.scale)
+        if self.chunk_kernel:
+            return index_scores_chunk(iq, hw * self.scale, keys, kernel_backend())  # [T, N]
         return index_scores_reference(iq, hw, keys, self.scale)  # [T, N]
+
+    @property
+    def chunk_kernel(self) -> bool:
+        """Whether a chunk's scores run as one fused launch (``index_mm``: no [T, H_i, N] head scores in memory).
+        Its bf16 tiles hold the FP4-simulated queries and rows exactly, so only with the QAT profile."""
+        return self.numerics.indexer_qat and 128 % self.n_head == 0 and kernel_backend() != "fallback"
 
 
 def select_top_k(scores: mx.array, n_visible: np.ndarray, k: int) -> mx.array:

@@ -16,7 +16,8 @@ import numpy as np
 from ..config import ModelConfig
 from ..kernels.fused import (cols, expert_down_sum, expert_swiglu, experts_with_shared, moe_route, takes_quantized_x,
                              unpack_route)
-from ..weights import QuantWeight
+from ..kernels import MV_MAX_TOKENS, mm_gather, mm_gather_swiglu, routes_for, supports
+from ..weights import QuantWeight, kernel_backend
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
 RANK_MAX_ELEMS = 1 << 25  # largest [T, N, N] comparison block of the top-k selection
@@ -139,13 +140,37 @@ class MoE:
 
     def routed(self, n: mx.array, sel: mx.array, w: mx.array, add: mx.array | None = None) -> mx.array:
         """Routed experts: ``sum_i W_down[e_i] (swiglu(W_gate[e_i] n, W_up[e_i] n) * w_i)`` (+ ``add``) -> [T, E]."""
-        # route weight before down (ds4); on the GPU each line is one matvec launch for decode
-        mid = expert_swiglu(self.ffn_gate_exps, self.ffn_up_exps, n, self.clamp, sel, w)  # [T, k, F]
-        return expert_down_sum(self.ffn_down_exps, mid, sel, add)  # [T, E]
+        y = self._routed_chunk(n, sel, w)
+        if y is None:
+            # route weight before down (ds4); on the GPU each line is one matvec launch for decode
+            mid = expert_swiglu(self.ffn_gate_exps, self.ffn_up_exps, n, self.clamp, sel, w)  # [T, k, F]
+            return expert_down_sum(self.ffn_down_exps, mid, sel, add)  # [T, E]
+        return y if add is None else y + add
+
+    def _routed_chunk(self, n: mx.array, sel: mx.array, w: mx.array) -> mx.array | None:
+        """The routed experts of a prefill chunk on the kernel backends, in two launches over the pairs sorted by
+        expert once: gate+up with the SwiGLU and the route weight as epilogue (``mid`` in bf16, the down tiles'
+        precision), then down; each token's k products summed. None where the kernels do not apply."""
+        backend = kernel_backend()
+        T, k = sel.shape
+        exps = (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps)
+        if backend == "fallback" or T <= MV_MAX_TOKENS or not all(map(supports, exps)):
+            return None
+        flat = sel.reshape(-1)
+        routes = routes_for(flat, self.cfg.n_expert, backend)
+        mid = mm_gather_swiglu(self.ffn_gate_exps, self.ffn_up_exps, n, flat, k, self.clamp, backend,
+                               route_w=w.reshape(-1), routes=routes)  # [T*k, F]  fmt: skip
+        y = mm_gather(self.ffn_down_exps, mid, flat, k, backend, routes=routes)  # [T*k, E]
+        return y.reshape(T, k, -1).sum(axis=1)
 
     def shared(self, n: mx.array) -> mx.array:
         """Shared expert with the same clamped SwiGLU -> [T, E]."""
-        mid = expert_swiglu(self.ffn_gate_shexp, self.ffn_up_shexp, n, self.clamp)  # [T, F]
+        if n.shape[0] > MV_MAX_TOKENS:  # a chunk: gate and up rows in one product
+            F = self.ffn_gate_shexp.out_features
+            gu = self.ffn_gate_up_shexp.matmul(n)  # [T, 2F]
+            mid = swiglu(gu[:, :F], gu[:, F:], self.clamp)
+        else:
+            mid = expert_swiglu(self.ffn_gate_shexp, self.ffn_up_shexp, n, self.clamp)  # [T, F]
         return self.ffn_down_shexp.matmul(mid)
 
     def __call__(self, x: mx.array, tokens: mx.array) -> mx.array:
