@@ -3,8 +3,10 @@
 The method, exactly as ds4-bench: load once; walk one fixed token sequence to each frontier with incremental
 prefill (a row times only the newly added interval); at each frontier snapshot the session (not timed),
 time ``gen_tokens`` greedy decode steps choosing the argmax **excluding EOS** (never stopping), restore the
-snapshot (not timed) and continue. The CSV has ds4-bench's columns and number formats, so curves from ds4.c
-and ds4-mlx compare directly (``ds4-mlx bench plot``).
+snapshot (not timed) and continue. The decode steps run in the loop ``generate`` and ``serve`` run
+(:func:`~ds4_mlx.generate.decode_tokens`: ids drawn on the device, steps queued ahead), so the figure is what a
+user gets. The CSV has ds4-bench's columns and number formats, so curves from ds4.c and ds4-mlx compare
+directly (``ds4-mlx bench plot``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from .config import ModelConfig
+from .generate import decode_tokens
+from .sampling import GREEDY_PARAMS, Sampler
 from .session import DEFAULT_CHUNK, Session
 
 CSV_COLUMNS = ("ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes")
@@ -148,14 +152,41 @@ def memory_plan(cfg: ModelConfig, weights_bytes: int, ctx: int, chunk: int) -> M
 
 
 def git_commit() -> str:
-    """Short commit of the ds4-mlx checkout (``+dirty`` with local changes), or ``unknown``."""
-    here = Path(__file__).resolve().parent
+    """Short commit of the ds4-mlx source checkout this package runs from (``+dirty`` with local changes):
+    ``$DS4_MLX_COMMIT`` if set (a copy whose git metadata is stale), else git's answer when the package's folder
+    sits in ds4-mlx's own checkout (not an installed copy inside some other repository), else ``unknown``."""
+    if os.environ.get("DS4_MLX_COMMIT"):
+        return os.environ["DS4_MLX_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "-C", str(here), "describe", "--always", "--dirty=+dirty", "--abbrev=10"],
+        if "ds4-mlx" not in (root / "pyproject.toml").read_text(encoding="utf-8"):
+            return "unknown"
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        if not top or Path(top).resolve() != root:
+            return "unknown"
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty=+dirty", "--abbrev=10"],
                              capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def process_device_memory() -> int | None:
+    """Device memory this process holds as the driver counts it (``nvidia-smi``; CUDA only), or None: MLX's
+    peak counts its live arrays, not the buffers its cache keeps."""
+    if not _is_cuda():
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        pid, _, used = line.partition(",")
+        if pid.strip() == str(os.getpid()) and used.strip().isdigit():
+            return int(used) * 2**20
+    return None
 
 
 def system_info(model_desc: str, quant: str) -> dict:
@@ -163,7 +194,10 @@ def system_info(model_desc: str, quant: str) -> dict:
 
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     name = info.get("device_name") or info.get("architecture") or platform.processor() or platform.machine()
+    from . import __version__
+
     return {
+        "ds4_mlx": __version__,
         "device": f"{mx.default_device()} {name}".strip(),
         "backend": f"mlx-{'cuda' if _is_cuda() else ('metal' if mx.metal.is_available() else 'cpu')} kernels {kernel_backend()}",
         "mlx": mx.__version__,
@@ -179,8 +213,8 @@ def _is_cuda() -> bool:
 
 
 def system_line(info: dict) -> str:
-    return (f"ds4-mlx bench: device {info['device']}; backend {info['backend']}; mlx {info['mlx']}; "
-            f"model {info['model']}; quant {info['quant']}; commit {info['commit']}")
+    return (f"ds4-mlx bench: ds4-mlx {info.get('ds4_mlx', '?')} commit {info['commit']}; device {info['device']}; "
+            f"backend {info['backend']}; mlx {info['mlx']}; model {info['model']}; quant {info['quant']}")
 
 
 # ---- the walk ------------------------------------------------------------------------------------------------
@@ -196,7 +230,8 @@ class BenchRow:
     kvcache_bytes: int
     prefill_s: float = 0.0
     gen_s: float = 0.0
-    peak_memory_bytes: int = 0
+    peak_memory_bytes: int = 0  # MLX's peak of live arrays
+    process_memory_bytes: int | None = None  # what the process holds on the device (nvidia-smi), at the row's end
 
     def csv_fields(self) -> list[str]:
         """The row as ds4-bench prints it: ``%d,%d,%.2f,%d,%.2f,%llu``."""
@@ -227,15 +262,20 @@ class BenchResult:
                 "gen_tps_last": self.rows[-1].gen_tps,
                 "kvcache_bytes_last": self.rows[-1].kvcache_bytes,
                 "peak_memory_bytes": max(r.peak_memory_bytes for r in self.rows),
+                "process_memory_bytes_max": max((r.process_memory_bytes or 0 for r in self.rows), default=0) or None,
             }
         return {"system": self.system, "system_line": system_line(self.system), "params": self.params,
                 "load_s": self.load_s, "warmup_s": self.warmup_s, "columns": list(CSV_COLUMNS), "rows": rows,
                 "summary": summary}
 
 
-def _greedy_no_eos(logits: mx.array, eos_mask: mx.array | None) -> mx.array:
-    """argmax over the vocabulary with EOS excluded (ds4-bench never stops)."""
-    return mx.argmax(logits if eos_mask is None else logits + eos_mask)
+def time_decode(session: Session, sampler: Sampler, steps: int) -> float:
+    """Seconds for ``steps`` decode steps in the generation loop (:func:`~ds4_mlx.generate.decode_tokens`), from the
+    session's logits: ``steps + 1`` ids are taken, the last of them never evaluated into the KV."""
+    t0 = time.perf_counter()
+    for _ in decode_tokens(session, sampler, steps + 1):
+        pass
+    return time.perf_counter() - t0
 
 
 def run_bench(
@@ -261,9 +301,8 @@ def run_bench(
         raise BenchError("frontiers must be increasing")
     if len(tokens) < ctx_points[-1]:
         raise BenchError(f"the prompt has {len(tokens)} tokens, the last frontier needs {ctx_points[-1]}")
-    eos_mask = None
-    if eos_id is not None and 0 <= eos_id < model.cfg.n_vocab:
-        eos_mask = mx.where(mx.arange(model.cfg.n_vocab) == eos_id, -mx.inf, 0.0)
+    # greedy, EOS excluded (ds4-bench never stops)
+    sampler = Sampler(GREEDY_PARAMS, banned=() if eos_id is None else (eos_id,))
 
     # KV buffers sized for the whole walk up front (as ds4-bench allocates its context): they never grow, so
     # no generation probe pays a retrace of the compiled decode steps (with doubling buffers, the probes at
@@ -283,10 +322,7 @@ def run_bench(
         for mark in sorted({min(ctx_points[-1], max(1, k4 - 8)), min(ctx_points[-1], k4 + chunk)}):
             if mark > ws.pos:
                 ws.prefill(tokens[ws.pos : mark])
-            tok = _greedy_no_eos(ws.logits, eos_mask)
-            for _ in range(4):
-                tok = _greedy_no_eos(ws.step(tok), eos_mask)
-            mx.eval(tok)
+            time_decode(ws, sampler, 4)
         del ws
         mx.clear_cache()
         warmup_s = time.perf_counter() - t0
@@ -305,19 +341,13 @@ def run_bench(
         kv = sess.kv_bytes
         t_gen = 0.0
         if gen_tokens > 0:
-            # pipelined like generate(): step i+1's graph is built while the device runs step i
-            logits = sess.logits
-            t0 = time.perf_counter()
-            for _ in range(gen_tokens):
-                logits = sess.step(_greedy_no_eos(logits, eos_mask))
-            mx.eval(logits)
-            t_gen = time.perf_counter() - t0
+            t_gen = time_decode(sess, sampler, gen_tokens)
             sess.restore(snap)
         del snap
         row = BenchRow(
             ctx_tokens=f, prefill_tokens=f - start, prefill_tps=(f - start) / t_prefill, gen_tokens=gen_tokens,
             gen_tps=gen_tokens / t_gen if t_gen > 0 else 0.0, kvcache_bytes=kv, prefill_s=t_prefill, gen_s=t_gen,
-            peak_memory_bytes=int(mx.get_peak_memory()),
+            peak_memory_bytes=int(mx.get_peak_memory()), process_memory_bytes=process_device_memory(),
         )
         rows.append(row)
         if on_row is not None:

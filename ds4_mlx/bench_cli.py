@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from . import bench as B
+from .session import DEFAULT_CHUNK
 
 bench_app = typer.Typer(
     help="ds4-bench speed curves: prefill and decode t/s at growing context; `bench plot` draws them.",
@@ -57,12 +58,14 @@ def bench(
     step_incr: Optional[int] = typer.Option(None, "--step-incr", help="Next frontier = current + K (default 2048)."),
     step_mul: Optional[float] = typer.Option(None, "--step-mul", help="Next frontier = ceil(current * X)."),
     gen_tokens: int = typer.Option(128, "-n", "--gen-tokens", help="Greedy decode steps timed at each frontier."),
-    chunk: int = typer.Option(512, help="Prefill chunk size (tokens per model call)."),
+    chunk: int = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", "--chunk", help="Prefill chunk size (tokens per model call)."),
     csv_out: Optional[Path] = typer.Option(
         None, "--csv", help="Write the CSV here (ds4-bench's exact format; the system line goes to OUT.system.txt)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write a JSON summary here ('-' = stdout)."),
     seed: int = typer.Option(0, help="Seed of the random weights and of the generated token sequence."),
     numerics: str = typer.Option("ds4", help="Numeric profile: ds4 or hf."),
+    cache_limit_gb: Optional[float] = typer.Option(
+        None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (a throwaway session that decodes 4 steps just below 4 x indexer top-k tokens and 4 more after one chunk past it, so kernel compilation and the decode-step traces are not timed)."),
 ) -> None:
     """Measure prefill and decode speed at each context frontier, ds4-bench's way (SERVING.md §7)."""
@@ -128,7 +131,13 @@ def bench(
 
         m, tok = load(model, numerics)
     load_s = time.perf_counter() - t0
-    err.print(f"loaded in {load_s:.1f} s; active memory {_fmt_bytes(_active())}")
+    from .memory import set_memory_limits
+
+    try:
+        limits = set_memory_limits(weights_bytes, plan.kv, cache_gb=cache_limit_gb)
+    except ValueError as e:
+        _fail(str(e))
+    err.print(f"loaded in {load_s:.1f} s; active memory {_fmt_bytes(_active())}; {limits.describe()}")
 
     # ---- the token sequence
     need = points[-1]
@@ -146,12 +155,13 @@ def bench(
     eos = getattr(tok, "eos_id", None) if tok is not None else None
     params = {"ctx_start": ctx_start, "ctx_max": ctx_max, "step_incr": step_incr, "step_mul": step_mul,
               "gen_tokens": gen_tokens, "chunk": chunk, "frontiers": points, "prompt": prompt_desc,
-              "numerics": numerics, "eos_excluded": eos}
+              "numerics": numerics, "eos_excluded": eos, "cache_limit_bytes": limits.cache}
     err.print(f"prompt: {prompt_desc}; frontiers {points[0]}..{points[-1]} ({len(points)}), "
               f"{gen_tokens} generated tokens each, chunk {chunk}")
 
     # ---- the walk, one progress line per row
-    header = f"{'ctx':>8} {'prefill':>8} {'prefill t/s':>12} {'gen':>5} {'gen t/s':>9} {'kv cache':>11} {'peak mem':>11}"
+    header = (f"{'ctx':>8} {'prefill':>8} {'prefill t/s':>12} {'gen':>5} {'gen t/s':>9} {'kv cache':>11} "
+              f"{'peak mem':>11} {'process mem':>12}")
     err.print(f"[bold]{header}[/]")
 
     if csv_out is not None:  # rows are appended as they are measured, so a run cut short keeps its rows
@@ -162,8 +172,10 @@ def bench(
         if csv_out is not None:
             with csv_out.open("a", encoding="utf-8") as f:
                 f.write(",".join(r.csv_fields()) + "\n")
+        proc = "-" if r.process_memory_bytes is None else _fmt_bytes(r.process_memory_bytes)
         err.print(f"{r.ctx_tokens:>8} {r.prefill_tokens:>8} {r.prefill_tps:>12.2f} {r.gen_tokens:>5} "
-                  f"{r.gen_tps:>9.2f} {_fmt_bytes(r.kvcache_bytes):>11} {_fmt_bytes(r.peak_memory_bytes):>11}")
+                  f"{r.gen_tps:>9.2f} {_fmt_bytes(r.kvcache_bytes):>11} {_fmt_bytes(r.peak_memory_bytes):>11} "
+                  f"{proc:>12}")
 
     try:
         with err.status("warming up (JIT) ..." if not no_warmup else "running ..."):

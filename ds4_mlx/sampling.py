@@ -304,18 +304,35 @@ class Sampler:
     device draws share one stream of uniforms (:class:`UniformStream`).
     """
 
-    def __init__(self, params: SamplingParams = DEFAULT_PARAMS, seed: int | None = None) -> None:
+    def __init__(self, params: SamplingParams = DEFAULT_PARAMS, seed: int | None = None, *,
+                 banned: Sequence[int] = ()) -> None:  # fmt: skip
+        """``banned``: ids never drawn (their logits count as -inf), e.g. ds4-bench's EOS."""
         self.params = params
         self.rng = UniformStream(seed)
+        self.banned = tuple(int(i) for i in banned)
+        self._ban_rows: dict[int, tuple[np.ndarray, mx.array]] = {}  # vocabulary size -> -inf at the banned ids
+
+    def _allowed(self, logits):
+        """``logits`` with the banned ids at -inf (one add; nothing without banned ids)."""
+        if not self.banned:
+            return logits
+        n = logits.shape[-1]
+        if n not in self._ban_rows:
+            row = np.zeros(n, np.float32)
+            row[[i for i in self.banned if 0 <= i < n]] = -np.inf
+            self._ban_rows[n] = (row, mx.array(row))  # made once: a fresh host array a step would fault on CUDA
+        host, dev = self._ban_rows[n]
+        return logits + (dev if isinstance(logits, mx.array) else host)
 
     def __call__(self, logits, params: SamplingParams | None = None) -> int:
         p = params or self.params
-        return sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, self.rng)
+        return sample(self._allowed(logits), p.temperature, p.top_k, p.top_p, p.min_p, self.rng)
 
     def draw(self, logits: mx.array, params: SamplingParams | None = None) -> mx.array:
         """The next id as a lazy int32 ``[1]``, drawn on the device (the knobs must pass :func:`on_device`);
         the k-th draw (host or device) uses the k-th uniform."""
         p = params or self.params
+        logits = self._allowed(logits)
         if not on_device(p):
             raise ValueError(f"top_k={p.top_k} / top_p={p.top_p} sample on the host only: call the sampler")
         if p.temperature <= 0:

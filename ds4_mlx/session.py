@@ -20,7 +20,10 @@ import mlx.core as mx
 from .model.model import Model
 from .weights import EVAL_LOCK
 
-DEFAULT_CHUNK = 512
+#: Tokens per model call in a prefill (ds4's default too): a chunk reads every weight once, so larger chunks
+#: spread those reads over more tokens; 2048 keeps the chunk's transient memory (attention score blocks, the
+#: routed experts' pairs) to a few hundred MB at the full shape.
+DEFAULT_CHUNK = 2048
 
 
 def _arrays(obj, out: list | None = None) -> list[mx.array]:

@@ -84,13 +84,13 @@ def test_cli_csv_rows_and_columns(tmp_path):
     assert all(a <= b for a, b in zip(kv, kv[1:])) and kv[-1] > kv[0] > 0
     # the system line: sidecar and JSON; the CSV itself stays ds4-bench's bytes (ds4's csv.DictReader parses it)
     side = (tmp_path / "run.system.txt").read_text()
-    assert side.startswith("ds4-mlx bench: device ") and "mlx " in side and "commit " in side and "quant q2" in side
+    assert side.startswith("ds4-mlx bench: ds4-mlx ") and "mlx " in side and "commit " in side and "quant q2" in side
     summary = json.loads(js.read_text())
     assert summary["columns"] == list(B.CSV_COLUMNS)
     assert [row["ctx_tokens"] for row in summary["rows"]] == [32, 64, 96]
     assert all(row["peak_memory_bytes"] > 0 for row in summary["rows"])
     assert summary["system"]["mlx"] == mx.__version__ and summary["params"]["frontiers"] == [32, 64, 96]
-    assert "ds4-mlx bench: device" in r.output  # the human table's system line (stderr)
+    assert "ds4-mlx bench: ds4-mlx" in r.output  # the human table's system line (stderr)
 
 
 def test_kv_bytes_match_a_fresh_session(tiny):
@@ -102,6 +102,30 @@ def test_kv_bytes_match_a_fresh_session(tiny):
         s = Session(model, chunk_size=16)
         s.prefill(ids[: row.ctx_tokens])
         assert row.kvcache_bytes == s.kv_bytes
+
+
+def test_decode_runs_the_generation_loop(tiny, monkeypatch):
+    """The generation probe runs generate's own loop (decode_tokens: device draws, steps queued ahead), G steps a
+    frontier, greedy with EOS banned: its ids are those of decode_tokens on a session at the same frontier."""
+    model, tok = tiny
+    ids = B.generated_tokens(48, model.cfg.n_vocab, B.special_ids(tok), seed=4)
+    calls, taken = [], []
+
+    def spy(session, sampler, max_tokens, **kw):
+        calls.append((session.pos, max_tokens, sampler.params, sampler.banned))
+        for t in B_decode(session, sampler, max_tokens, **kw):
+            taken.append(t[0])
+            yield t
+
+    B_decode = B.decode_tokens
+    monkeypatch.setattr(B, "decode_tokens", spy)
+    B.run_bench(model, ids, [24, 48], 5, eos_id=tok.eos_id, chunk=16, warmup=False)
+    assert [(c[0], c[1]) for c in calls] == [(24, 6), (48, 6)]  # 5 timed steps: 6 ids, the last not evaluated
+    assert all(c[2].temperature <= 0 and c[3] == (tok.eos_id,) for c in calls)
+    s = Session(model, chunk_size=16)
+    s.prefill(ids[:48])
+    want = [t for t, _ in B_decode(s, B.Sampler(B.GREEDY_PARAMS, banned=(tok.eos_id,)), 6)]
+    assert taken[6:] == want and tok.eos_id not in taken
 
 
 def test_generation_probe_leaves_the_walk_unchanged(tiny):
