@@ -8,6 +8,7 @@ file, the key or tensor, and what was expected versus found. The file is memory-
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -143,17 +144,19 @@ def open_gguf(path: str | os.PathLike) -> GGUFModel:
     return GGUFModel(path, config, tensors, tokenizer, meta.values())
 
 
-def load_weights(model: GGUFModel) -> dict[str, Any]:
-    """Turn the bound tensors into MLX values keyed by GGUF name (see TEAM interface).
+def load_weights(model: GGUFModel, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Turn the bound tensors into MLX values keyed by GGUF name.
 
     Matrices (ndim >= 2) become :class:`ds4_mlx.weights.QuantWeight`; 1-D F32 tensors and the hash
-    routing tables become plain ``mx.array`` (float32 / int32).
+    routing tables become plain ``mx.array`` (float32 / int32). ``progress(bytes read, total)`` after each
+    tensor (each is copied out of the file's memory map, so this is the file's read).
     """
     import mlx.core as mx
 
     from .weights import QuantWeight
 
     out: dict[str, Any] = {}
+    total, done = model.nbytes, 0
     for name, t in model.tensors.items():
         if name.endswith("ffn_gate_tid2eid.weight"):
             out[name] = mx.array(np.asarray(t.data, dtype=np.int32))
@@ -161,6 +164,9 @@ def load_weights(model: GGUFModel) -> dict[str, Any]:
             out[name] = mx.array(np.asarray(t.data, dtype=np.float32))
         else:
             out[name] = QuantWeight.from_numpy(t.data, t.qtype, t.shape)
+        done += t.data.nbytes
+        if progress is not None:
+            progress(min(done, total), total)
     return out
 
 
