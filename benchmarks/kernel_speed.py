@@ -1,6 +1,6 @@
 """Kernel benchmark at real V4 Flash shapes (QUANTS.md §5.4): decode matvec, 6-expert gathered matvec, prefill.
 
-Run on a GPU backend (``python benchmarks/kernels.py [--quick] [--json out.json]``). Random valid quant bytes
+Run on a GPU backend (``python benchmarks/kernel_speed.py [--quick] [--json out.json]``). Random valid quant bytes
 are built on the device. Every timed loop rotates over weight copies or fresh expert ids so the 60 MB L2 of
 an H200 does not serve the weights. Reports effective GB/s (weight bytes / time), % of the device copy rate
 measured in the same run (bytes read + written, as QUANTS.md §6 counts it), and time ratios against MLX's own
