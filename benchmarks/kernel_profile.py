@@ -10,8 +10,8 @@ decodes a few warm-up tokens, then ``--steps`` measured tokens, each between two
 kernel name: what the device itself spends on a decode step, without the host's launch cost.
 
 ``--mv`` instead launches the decode matvec once per projection shape (``DECODE_SHAPES`` without the LM head),
-each after a marker; ``--compare-mv NEW.csv OLD.csv`` prints each shape's GPU time
-in two such logs (two kernel versions profiled in one device run) and the ratio.
+each after a marker; ``--compare-mv NEW.csv OLD.csv`` prints each shape's GPU time in two such logs (two kernel
+versions profiled in one device run) and the ratio.
 """
 
 from __future__ import annotations
