@@ -10,7 +10,7 @@ the other first in odd ones, each continuing its own generation onward. The two 
 weights (each wraps the same arrays in its own weight class), so the full shape fits once in device memory.
 
 Why one process: on the H200 the host's speed drifts over seconds, by up to ~3 ms a token whatever the process or
-the cores (benchmarks/RESULTS.md, twenty-fourth and twenty-fifth sessions), more than most changes are worth.
+the cores (benchmarks/RESULTS.md, Method), more than most changes are worth.
 Rounds that alternate in one process compare under the same drift. The ``narrow`` shape (the full 43-layer
 pattern at the tiny widths) gives the host a full step's work and the device almost none, so it compares host
 costs only; ``full`` compares whole steps, the device's part included.
@@ -101,12 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ds4_mlx.random_model import shape_config
 
-    cfg = narrow_config(args.layers or 43) if args.shape == "narrow" else shape_config(args.shape, args.layers)
-    weights = random_weights(cfg, "q2", 0)
     with tempfile.TemporaryDirectory() as tmp:
+        other_pkg = import_other(args.other, Path(tmp))  # a wrong folder fails before the set-up
+        cfg = narrow_config(args.layers or 43) if args.shape == "narrow" else shape_config(args.shape, args.layers)
+        weights = random_weights(cfg, "q2", 0)
         reserve = args.prefill + max(cfg.compress_ratios) + 1 + args.rounds * (args.decode + 1)
         this = version("ds4_mlx", cfg, weights, args.prefill, reserve)
-        other = version(import_other(args.other, Path(tmp)), cfg, weights, args.prefill, reserve)
+        other = version(other_pkg, cfg, weights, args.prefill, reserve)
         t_start = time.perf_counter()
         for rnd in range(args.rounds):
             if args.seconds and time.perf_counter() - t_start > args.seconds:

@@ -5,7 +5,7 @@
 Tests: tests/test_kernels.py (every kernel kind × type vs gguf-py + float64 matmul, bf16-emulated references
 for prefill, NaN-poisoned outputs, routing edge cases; and QuantWeight dispatch vs the fallback), plus
 tests/test_weights.py and tests/test_quants.py on the GPU backend's default device.
-Results go to $OUT (or /tmp): pytest.txt and kernels.json.
+Results go to $OUT (or /tmp): pytest.txt and kernel_speed.json.
 """
 
 import os
@@ -34,7 +34,7 @@ def main():
         print(r.stdout[-6000:], r.stderr[-3000:], flush=True)
         rc |= r.returncode
     if "--skip-bench" not in sys.argv:
-        args = [sys.executable, "benchmarks/kernels.py", "--json", str(out / "kernels.json")]
+        args = [sys.executable, "benchmarks/kernel_speed.py", "--json", str(out / "kernel_speed.json")]
         if "--quick" in sys.argv:
             args.append("--quick")
         r = subprocess.run(args, cwd=ROOT, env=env)

@@ -2,22 +2,20 @@
 
     python benchmarks/graph_cost.py [--layers 43] [--ctx 600] [--profile] [--steps N]
 
-On the H200 a decode step is host-bound: every MLX op costs the host ~5-7 µs to encode and launch
-(benchmarks/decode_profile.py), and building the step's graph in Python took 29-46 ms of the 85-100 ms step
-(benchmarks/RESULTS.md). Both costs depend on the graph's structure, not on the widths, so they can be
-measured here: a narrow model with the real layer pattern (``--layers`` layers of ratios 0, 0, 4, 128, 4, ...)
-runs the GPU dispatch path with every custom-kernel launch replaced by a constant output of the right
-shape (the wrappers' Python still runs). Reported: Python time to build one step's graph, the arrays the
-kernel launches write and read (MLX's encode of a launch grows with both; ``by_kernel``: launches and arrays
-written per kernel), and the step's op count split into kernel launches, compute ops and view ops (reshape,
-slice, broadcast, ...: no device work, but MLX still replays and encodes each one: the Nsight Systems timeline
-of benchmarks/timeline.py counted ~890 a step at the full shape, against 941 kernel launches).
+On MLX-CUDA the host pays for every node of a decode step's graph: ~10 µs to encode a kernel launch and ~5 µs
+for each array a launch writes (benchmarks/RESULTS.md). These costs depend on the graph's structure, not on the
+widths, so they can be measured here: a narrow model with the real layer pattern (``--layers`` layers of
+ratios 0, 0, 4, 128, 4, ...) runs the GPU dispatch path with every custom-kernel launch replaced by a constant
+output of the right shape (the wrappers' Python still runs). Reported: Python time to build one step's graph,
+the arrays the kernel launches write and read (MLX's encode of a launch grows with both; ``by_kernel``:
+launches and arrays written per kernel), and the step's op count split into kernel launches, compute ops and
+view ops (reshape, slice, broadcast, ...: no device work, but MLX still replays and encodes each one).
 
 ``--steps N`` then decodes N steps onward, over new positions, and counts the distinct shapes of the graphs they
 queue (their launching ops in order, ``resident`` copies made as on CUDA), in all and per kind of step (which
 windows complete, whether a row buffer grew). MLX-CUDA keys its cached CUDA graphs by their topology, so a
 shape seen for the first time cannot hit that cache: each new CUDA graph cost 1-3 ms to instantiate on the H200,
-and steps of one kind must share one shape (benchmarks/RESULTS.md, twentieth session).
+and steps of one kind must share one shape.
 """
 
 from __future__ import annotations

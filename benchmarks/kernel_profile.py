@@ -9,9 +9,9 @@ decodes a few warm-up tokens, then ``--steps`` measured tokens, each between two
 (``ds4_marker``). ``--summarize`` keeps the kernels between the last two markers and sums their GPU time by
 kernel name: what the device itself spends on a decode step, without the host's launch cost.
 
-``--mv`` instead launches the decode matvec once per projection shape (benchmarks/decode_profile.py's list
-without the LM head), each after a marker; ``--compare-mv NEW.csv OLD.csv`` prints each shape's GPU time
-in two such logs (two kernel versions profiled in one device run) and the ratio.
+``--mv`` instead launches the decode matvec once per projection shape (``DECODE_SHAPES`` without the LM head),
+each after a marker; ``--compare-mv NEW.csv OLD.csv`` prints each shape's GPU time in two such logs (two kernel
+versions profiled in one device run) and the ratio.
 """
 
 from __future__ import annotations
@@ -28,6 +28,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MARKER = "ds4_marker"
+
+DECODE_SHAPES = [  # (label, qtype name, shape, gathered pairs (0 = dense))
+    ("q_a", "Q8_0", (1024, 4096), 0), ("q_b", "Q8_0", (32768, 1024), 0), ("kv", "Q8_0", (512, 4096), 0),
+    ("out_a (8 groups)", "Q8_0", (8, 1024, 4096), 8), ("out_b", "Q8_0", (4096, 8192), 0),
+    ("shared gate", "Q8_0", (2048, 4096), 0), ("shared down", "Q8_0", (4096, 2048), 0),
+    ("lm head", "Q8_0", (129280, 4096), 0), ("compressor r4", "F16", (1024, 4096), 0),
+    ("indexer q_b", "F16", (8192, 1024), 0), ("router", "F16", (256, 4096), 0),
+    ("routed gate", "IQ2_XXS", (256, 2048, 4096), 6), ("routed down", "Q2_K", (256, 4096, 2048), 6),
+]
 
 
 def marker() -> None:
@@ -56,13 +65,11 @@ def run(layers: int, ctx: int, steps: int = 1) -> None:
 
 
 def mv_shapes() -> list:
-    from benchmarks.decode_profile import DECODE_SHAPES
-
     return [s for s in DECODE_SHAPES if s[0] != "lm head"]  # 563 MB; the other Q8_0 shapes run the same kernel
 
 
 def run_mv() -> None:
-    """One launch of every decode matvec shape (benchmarks/decode_profile.py's list), for ncu's full sections."""
+    """One launch of every decode matvec shape (``mv_shapes``), for ncu's full sections."""
     from gguf import GGMLQuantizationType as QT
 
     from ds4_mlx.random_model import random_quant_weight

@@ -110,7 +110,7 @@ def decode_seconds(sess: Session, n: int, pipelined: bool, lag: int = 1) -> tupl
     ids are read back ``lag`` steps late, as a streaming generator would (mlx-lm: 1). Otherwise each step waits
     for its token. With ``lag=1`` the host, done encoding step k+1, waits ~2.5 ms a step on the H200 for token k;
     ``lag=2`` keeps one more step queued and removed that wait (why the device falls behind with one step queued
-    is not traced: benchmarks/RESULTS.md, twelfth session).
+    is not traced).
     The parts (meaningful when pipelined): ``build`` (Python and the compiled steps' trace replay), ``encode``
     (inside ``mx.async_eval``, where MLX turns every op into launches) and ``wait`` (for the previous token).
     A wait near zero means the device idles on the host, not the other way round.
@@ -227,8 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     # completing window of each compress ratio) runs at least once, both on this thread's stream and from the
     # generation loop's encoder thread (its own stream, so its own graph cache; the sampler's kernel too): each
     # kind's first step costs its graphs' instantiation (1-3 ms each). The timed steps then go on from there,
-    # each over positions never decoded before, as a real generation: before the twentieth session's fix,
-    # positions decoded again ran faster on MLX-CUDA (benchmarks/RESULTS.md, nineteenth and twentieth sessions).
+    # each over positions never decoded before, as a real generation does (positions decoded again can hit
+    # CUDA graphs MLX-CUDA cached for them and run faster than a real generation).
     decode_seconds(sess, warm_steps(cfg), pipelined=False)
     generate_seconds(sess, warm_steps(cfg))
     t_decode_sync, _ = decode_seconds(sess, n_decode, pipelined=False)

@@ -187,7 +187,7 @@ def run(labels_path: Path, only: list[str] | None = None, default: bool = False,
     labels_path.write_text(json.dumps(labels))
 
 
-#: What limits a launch's warps, for ``--occupancy`` (benchmarks/RESULTS.md, twenty-second session).
+#: What limits a launch's warps, for ``--occupancy``.
 OCCUPANCY_METRICS = {
     "gpu__time_duration.sum": "ns", "launch__registers_per_thread": "registers",
     "launch__shared_mem_per_block_static": "stage bytes", "launch__block_size": "threads",

@@ -168,7 +168,7 @@ def analyze(path: Path, steps: int | None, top: int) -> None:
         print(f"  {t / div / 1e6:7.3f} shared {ktime[k] / div / 1e6:7.3f} span {kcount[k] / div:7.1f}x  "
               f"{ktime[k] / kcount[k] / 1e3:7.1f} us each  {k[:70]}")
     # MLX-CUDA launches a cached CUDA graph after updating it in place (~0.1 ms) when the topology is one it has
-    # seen; a new topology is instantiated (1-3 ms on the H200; benchmarks/RESULTS.md, twentieth session)
+    # seen; a new topology is instantiated (1-3 ms on the H200)
     graph = {op: [(n, t) for n, t in api_total.items() if n.startswith(f"cudaGraph{op}")]
              for op in ("Launch", "Instantiate", "ExecUpdate")}
     line = ", ".join(f"{op} {sum(api_count[n] for n, _ in v)}x {sum(t for _, t in v) / 1e6:.2f} ms"

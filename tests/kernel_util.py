@@ -1,10 +1,8 @@
-"""Helpers shared by the kernel tests: random weights with their gguf-py reference, MLX's rendered Metal text;
-and the benchmark scripts loaded as modules for the tests of their pure parts."""
+"""Helpers shared by the kernel tests: random weights with their gguf-py reference, MLX's rendered Metal text."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
 import shutil
@@ -21,14 +19,6 @@ from ds4_mlx import quants, weights
 from ds4_mlx.weights import QuantWeight
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_benchmark(name: str):
-    """``benchmarks/<name>.py`` as a module (benchmarks/ is no package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def kernel_test_backend() -> str:
