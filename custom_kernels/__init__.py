@@ -21,6 +21,8 @@ Kernels:
   (cuBLAS on CUDA, TF32 tensor cores with f32 accumulation).
 - ``index_mm``: the indexer's scores of a prefill chunk, one tiled product with the ReLU and the head-weighted sum
   as its epilogue (the [T, H, N] head scores never reach memory).
+- ``attn_chunk``: a prefill chunk's attention, every query over its window and its compressed or selected rows,
+  read where they are; two passes over the keys (max and sum, then the normalized P·V).
 - Q8_0 2-D weights can instead run through MLX's own affine 8-bit kernels after a lossless repack
   (``u = q + 128, scale = d, bias = -128 d``, QUANTS.md §4.3), see :func:`q8_0_affine` and :func:`q8_mode`.
 """
@@ -149,9 +151,13 @@ INPUTS = {
     "mm": ["w", "x", "ids", "tiles", "params", "w2", "aux"],
     "deq": ["w", "params"],
     "index_mm": ["iq", "hw", "keys", "params"],
+    "attn_chunk": ["q", "raw", "comp", "idx", "sinks", "params"],
 }
 #: Kernels whose helpers live in another kind's header (``<kind>.h``).
-HEADER_OF = {"deq": "mm", "index_mm": "mm"}
+HEADER_OF = {"deq": "mm", "index_mm": "mm", "attn_chunk": "mm"}
+#: Heads a threadgroup of attn_chunk takes; the head dims it is built for (multiples of 128).
+ATTN_CHUNK_HG = 16
+ATTN_CHUNK_DIMS = (128, 512)
 #: Indexer head counts the chunk's index-score kernel is built for (any H dividing 128 works).
 INDEX_MM_HEADS = (16, 64)
 
@@ -389,6 +395,10 @@ def deq_template(qtype: QT) -> tuple:
     return (("QT", int(qtype)),)
 
 
+def attn_chunk_template(head_dim: int, indexed: bool) -> tuple:
+    return (("HG", ATTN_CHUNK_HG), ("D", head_dim), ("IDX", bool(indexed)))
+
+
 def instantiations() -> list[Instantiation]:
     """Every specialization the dispatcher can launch (the compile-check matrix)."""
     out = []
@@ -412,6 +422,9 @@ def instantiations() -> list[Instantiation]:
         out.append(Instantiation("deq", deq_template(qt)))
     for h in INDEX_MM_HEADS:
         out.append(Instantiation("index_mm", (("H", h),)))
+    for d in ATTN_CHUNK_DIMS:
+        for idx in (False, True):
+            out.append(Instantiation("attn_chunk", attn_chunk_template(d, idx)))
     for epi, reg in MV_REG.items():
         for qt, gather, xq in itertools.product(reg.types, reg.gathers, reg.xqs):
             for sh in (None, MV_SHARED_TYPE) if epi in (MV_SWIGLU, MV_SUM) else (None,):
@@ -422,7 +435,8 @@ def instantiations() -> list[Instantiation]:
 
 
 _CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_t", "params": "int32_t",
-                "w2": "uint8_t", "aux": "float", "ws": "uint8_t", "iq": "float", "hw": "float", "keys": "float"}
+                "w2": "uint8_t", "aux": "float", "ws": "uint8_t", "iq": "float", "hw": "float", "keys": "float",
+                "q": "float", "raw": "__half", "comp": "__half", "idx": "int32_t", "sinks": "float"}
 
 
 def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
@@ -708,6 +722,43 @@ def index_scores_chunk(iq: mx.array, hw: mx.array, keys: mx.array, backend: str)
         output_shapes=[(T, N)],
         output_dtypes=[mx.float32],
     )[0]
+
+
+def attention_chunk(
+    q: mx.array, raw: mx.array, comp: mx.array | None, idx: mx.array | None, sinks: mx.array, *, keep: int,
+    window: int, pos: int, ratio: int, top_k: int, scale: float, backend: str,
+) -> mx.array:  # fmt: skip
+    """A prefill chunk's attention in one launch (``attn_chunk``): ``q [T, H, D]`` at positions ``pos ..``, each query
+    over its raw window (``raw [R, D]``: the chunk's rows after ``keep`` carried ones) and its visible compressed
+    rows ``c < (p + 1) // ratio`` of ``comp`` (all of them, or with ``idx [T, top_k]`` the first
+    ``min(visible, top_k)`` listed), the per-head sink logit in the softmax. Returns ``o [T, H, D]`` float32 (before
+    the inverse RoPE). Keys are read as f16 (the ds4 profile stores them f16-rounded). A head count that is not a
+    multiple of ATTN_CHUNK_HG runs padded with zero heads (the tiny test models' 4)."""
+    T, H, D = q.shape
+    if D not in ATTN_CHUNK_DIMS or raw.shape[1] != D or sinks.shape != (H,):
+        raise ValueError(f"attention_chunk: q {q.shape}, raw {raw.shape}, sinks {sinks.shape} do not fit "
+                         f"[T, H, D in {ATTN_CHUNK_DIMS}], [R, D], [H]")  # fmt: skip
+    if raw.shape[0] != keep + T or (ratio and (comp is None or comp.shape[1] != D)):
+        raise ValueError(f"attention_chunk: {raw.shape[0]} raw rows for {keep} carried + {T} tokens, comp "
+                         f"{None if comp is None else comp.shape}")  # fmt: skip
+    if idx is not None and (idx.shape != (T, top_k) or not ratio):
+        raise ValueError(f"attention_chunk: idx {idx.shape}, expected [{T}, {top_k}] with a ratio")
+    f16 = [a if a.dtype == mx.float16 else a.astype(mx.float16) for a in (raw, raw if comp is None else comp)]
+    q, sinks = q.astype(mx.float32), sinks.astype(mx.float32)
+    Hp = -(-H // ATTN_CHUNK_HG) * ATTN_CHUNK_HG
+    if Hp != H:
+        q, sinks = mx.pad(q, [(0, 0), (0, Hp - H), (0, 0)]), mx.pad(sinks, [(0, Hp - H)])
+    scale_bits = int(np.array(scale, dtype=np.float32).view(np.int32))
+    o = get_kernel("attn_chunk", backend, False)(
+        inputs=[q, *f16, _dummy() if idx is None else _pad_ids(idx, backend), sinks,
+                _params(T, Hp, keep, window, pos, ratio, top_k, scale_bits)],
+        template=list(attn_chunk_template(D, idx is not None)),
+        grid=(Hp // ATTN_CHUNK_HG * 256, T, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(T, Hp, D)],
+        output_dtypes=[mx.float32],
+    )[0]  # fmt: skip
+    return o if Hp == H else o[:, :H]
 
 
 def mm_bn(n_pairs: int, n_expert: int) -> int:

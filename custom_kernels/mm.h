@@ -1,4 +1,20 @@
-// mm.h: helpers of the prefill kernels (mm.body, deq.body), after ds_quant.h in their `header`.
+// mm.h: helpers of the prefill kernels (mm.body, deq.body, index_mm.body, attn_chunk.body), after ds_quant.h in
+// their `header`.
+
+// attn_chunk's tiles: f16 on CUDA (wmma), f32 on Metal (simdgroup_float8x8). Its keys come as f16 rows.
+#if defined(DS_METAL)
+typedef float ds_att_t;
+#else
+typedef __half ds_att_t;
+#endif
+template <typename T> DS_FN const DS_DEV T* ds_row_ptr(const DS_DEV T* base, uint32_t row, uint32_t width) {
+  return base + (uint64_t)row * width;
+}
+// 8 values (f16 or f32, 16-byte aligned) into an attention tile, or zeros.
+template <typename T> DS_FN void ds_att_load8(DS_TG ds_att_t* dst, const DS_DEV T* src, bool ok) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dst[i] = ds_att_t(ok ? float(src[i]) : 0.0f);
+}
 
 // The experts' prefill product reads x as bfloat16 (the B tile's precision: rounding it once, before the launch,
 // gives the same tile values). ds_copy_x8: 8 values of x into the B tile, or zeros.

@@ -290,6 +290,46 @@ def test_gather_swiglu(qt, case, bn):
     assert np.all(np.abs(got.reshape(N, k, F) - want) <= tol(want))
 
 
+def _attention_reference(q, raw, comp, idx, sinks, keep, W, pos, ratio, k, scale):
+    """float64: each query over its window rows and its visible (or listed) compressed rows, the sink in the softmax."""
+    out = []
+    for t in range(q.shape[0]):
+        j1 = t + keep + 1
+        keys = [raw[j] for j in range(max(0, j1 - W), j1)]
+        if ratio:
+            nv = (pos + t + 1) // ratio
+            keys += [comp[c] for c in (range(nv) if idx is None else idx[t][: min(nv, k)])]
+        kk = np.stack(keys).astype(np.float64)
+        s = np.concatenate([sinks[:, None].astype(np.float64), q[t].astype(np.float64) @ kk.T * scale], 1)
+        p = np.exp(s - s.max(1, keepdims=True))
+        out.append((p / p.sum(1, keepdims=True))[:, 1:] @ kk)
+    return np.stack(out)
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "D,H,T,keep,W,pos,ratio,k,listed",
+    [(128, 16, 7, 5, 16, 20, 4, 4, True),  # window edges, queries seeing fewer than k rows, listed rows
+     (128, 4, 9, 0, 16, 0, 16, 4, False),  # padded heads, no compressed row for the first queries
+     (128, 32, 5, 15, 16, 40, 0, 0, False),  # window only
+     (512, 16, 3, 3, 128, 300, 4, 8, True)],
+)  # fmt: skip
+def test_attention_chunk(D, H, T, keep, W, pos, ratio, k, listed):
+    rng = np.random.default_rng(D + H + T)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    raw = rng.standard_normal((keep + T, D)).astype(np.float16)
+    C = max(1, (pos + T) // max(ratio, 1))
+    comp = rng.standard_normal((C + 3, D)).astype(np.float16)  # spare rows past the visible ones
+    idx = np.stack([rng.permutation(C)[:k] for _ in range(T)]).astype(np.int32) if listed else None
+    sinks = rng.standard_normal(H).astype(np.float32)
+    got = np.array(kernels.attention_chunk(
+        mx.array(q), mx.array(raw), mx.array(comp) if ratio else None, None if idx is None else mx.array(idx),
+        mx.array(sinks), keep=keep, window=W, pos=pos, ratio=ratio, top_k=k, scale=D**-0.5, backend=BACKEND))  # fmt: skip
+    want = _attention_reference(q.astype(np.float16), raw, comp, idx, sinks, keep, W, pos, ratio, k, D**-0.5)
+    assert got.shape == (T, H, D)
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()  # probabilities in f16
+
+
 def test_mm_rejects_mismatched_inputs():
     rng = np.random.default_rng(2)
     w, _ = make_weight(rng, QT.Q8_0, (4, 24, 256), np.float32)

@@ -73,12 +73,13 @@ def test_routed_chunk_runs_the_grouped_kernels(model, monkeypatch):
 
 def test_attention_chunk_with_fused_index_scores(model, monkeypatch):
     """A ratio-4 layer's chunk deep enough that the indexer selects: the fused index scores (bf16-exact FP4 inputs
-    in the ds4 profile) and the dense products on decoded weights give the fallback's output."""
+    in the ds4 profile), the selected rows of every query and the chunk's one attention launch (f16 tiles) give the
+    fallback's output."""
     import ds4_mlx.model.indexer as indexer
 
     il = 2
     attn = model.layers[il].attn
-    assert attn.indexer is not None and attn.indexer.chunk_kernel is False  # the fallback backend here
+    assert attn.indexer is not None
     used = []
     monkeypatch.setattr(indexer, "index_scores_chunk", lambda *a: used.append(a[0].shape) or kernels.index_scores_chunk(*a))
     rng = np.random.default_rng(4)
@@ -93,7 +94,7 @@ def test_attention_chunk_with_fused_index_scores(model, monkeypatch):
     want = _on("fallback", run)
     got = _on(BACKEND, run)
     assert used and used[-1][0] == len(x) - T0  # the second chunk (the first selects from its 16th query on)
-    assert _rel(got, want) < 1e-4
+    assert _rel(got, want) < 2e-3  # q and the probabilities in f16
 
 
 @pytest.mark.slow

@@ -24,10 +24,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels import MV_MAX_TOKENS
+from ..kernels import ATTN_CHUNK_DIMS, MV_MAX_TOKENS, attention_chunk
 from ..kernels.fused import Cols, attend_one, kernel_counts, qkv_rows, top_k_rows  # Metal/CUDA kernels; MLX on CPU
 from ..numerics import Numerics, get_numerics, kv_rounding
-from ..weights import QuantWeight
+from ..weights import QuantWeight, kernel_backend
 from .compressor import Compressor, CompressorState, index_array
 from .indexer import Indexer, select_top_k, selected_indices
 from .rope import Rope, apply_rope
@@ -287,13 +287,19 @@ class Attention:
                 irows, cache.index_state = self.indexer.compressor(n, pos, cache.index_state)
                 cache.index, cache.n_index = _append_rows(cache.index, cache.n_index, irows, mx.float32, cache.reserve_rows)
 
-        # Attention, in blocks of queries so that score matrices stay bounded at long contexts.
-        B = self._query_block(T, keep, cache)
-        outs = []
-        for i0 in range(0, T, B):
-            i1 = min(T, i0 + B)
-            outs.append(self._attend_block(q[i0:i1], qa[i0:i1], n[i0:i1], pos, i0, raw_keys, keep, cache))
-        o = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [T, H, D]
+        backend = kernel_backend()
+        if backend != "fallback" and D in ATTN_CHUNK_DIMS:  # one launch, keys read where they are
+            o = attention_chunk(q, raw_keys, cache.comp if r else None, self._selected_rows(qa, n, pos, cache),
+                                self.attn_sinks, keep=keep, window=W, pos=pos, ratio=r,
+                                top_k=self.indexer.top_k if self.indexer is not None else 0, scale=self.scale,
+                                backend=backend)  # fmt: skip
+        else:  # in blocks of queries, so that score matrices stay bounded at long contexts
+            B = self._query_block(T, keep, cache)
+            outs = []
+            for i0 in range(0, T, B):
+                i1 = min(T, i0 + B)
+                outs.append(self._attend_block(q[i0:i1], qa[i0:i1], n[i0:i1], pos, i0, raw_keys, keep, cache))
+            o = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [T, H, D]
         o = apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
         y = self.attn_output_b.matmul(self._grouped_output_a(o))  # [T, E]
 
@@ -380,6 +386,26 @@ class Attention:
         return self.attn_output_b.matmul(self._grouped_output_a(o)), st
 
     # --- chunks -------------------------------------------------------------------------------------------
+
+    def _selected_rows(self, qa: mx.array, n: mx.array, pos: int, cache: LayerCache) -> mx.array | None:
+        """The indexer's top-k compressed rows of every query of a chunk, ``[T, top_k]`` (valid ones first, as
+        :func:`selected_indices` orders them), or None where no query selects (no indexer, or every query sees at
+        most top_k rows). Scored in blocks of queries whose ``[block, rows]`` scores fit ATTN_BLOCK_BYTES."""
+        T, k = qa.shape[0], self.indexer.top_k if self.indexer is not None else 0
+        nmax = (pos + T) // self.ratio if self.ratio else 0
+        if self.indexer is None or nmax <= k:
+            return None
+        pq = pos + np.arange(T)
+        n_visible = (pq + 1) // self.ratio
+        Ci, Si = self.rope.tables(pq, self.indexer.head_dim)
+        hw, keys = self.indexer.head_weights(n), cache.index[:nmax]
+        B = max(1, min(T, ATTN_BLOCK_BYTES // (4 * nmax * (1 if self.indexer.chunk_kernel else self.indexer.n_head))))
+        parts = []
+        for i0 in range(0, T, B):
+            i1 = min(T, i0 + B)
+            scores = self.indexer.scores(qa[i0:i1], hw[i0:i1], Ci[i0:i1], Si[i0:i1], keys)  # [block, nmax]
+            parts.append(selected_indices(select_top_k(scores, n_visible[i0:i1], k), k))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def _query_block(self, T: int, keep: int, cache: LayerCache) -> int:
         """Queries per block: the [block, heads, keys] scores, the indexer's head scores (unless fused) and the
