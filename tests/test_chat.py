@@ -1,15 +1,15 @@
 """Prompt rendering tests (SERVING.md §2): the §2.7 examples byte for byte, every thinking mode, the tools block,
 canonical DSML history, and the /v1/completions and CLI renderers.
 
-The long fixed texts (tools block header/tail, Think-Max prefix) are read from the spec file itself
-(`../shared/spec/SERVING.md`), so they are checked against the spec, not against a copy of the code's constants.
+The long fixed texts (tools block header/tail, Think-Max prefix) and two rendered chats are ds4's, byte for byte,
+kept as test vectors in `tests/data/ds4_prompt_texts.json`: the code's constants are checked against them, not
+against themselves.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 
 import pytest
@@ -34,35 +34,16 @@ from ds4_mlx.tokenizer import SPECIAL_TOKENS, Tokenizer
 BOS, EOS, USER, ASST = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 
 
-def _spec_path() -> Path | None:
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent.parent / "shared" / "spec" / "SERVING.md", here.parent / "shared" / "spec" / "SERVING.md"):
-        if cand.exists():
-            return cand
-    return None
-
-
 @pytest.fixture(scope="module")
 def spec() -> dict[str, str]:
-    path = _spec_path()
-    if path is None:
-        pytest.skip("../shared/spec/SERVING.md not found")
-    lines = path.read_text(encoding="utf-8").split("\n")
-
-    def block_after(marker: str) -> str:
-        i = next(k for k, line in enumerate(lines) if line.startswith(marker))
-        i = next(k for k in range(i, len(lines)) if lines[k] == "```")
-        j = next(k for k in range(i + 1, len(lines)) if lines[k] == "```")
-        return "\n".join(lines[i + 1 : j]) + "\n"
-
-    text = "\n".join(lines)
-    tail = re.search(r'and the tail is\n`"(.*?)"`', text, re.S).group(1).replace("\\n", "\n")
+    """ds4's prompt texts (tests/data/ds4_prompt_texts.json)."""
+    data = json.loads((Path(__file__).parent / "data" / "ds4_prompt_texts.json").read_text(encoding="utf-8"))
     return {
-        "think_max": block_after("Think-Max prefix"),
-        "tools_header": block_after("### 2.4"),
-        "tools_tail": tail,
-        "A": block_after("**A. ").rstrip("\n"),
-        "B": block_after("**B. ").rstrip("\n"),
+        "think_max": data["think_max_prefix"],
+        "tools_header": data["tools_block_header"],
+        "tools_tail": data["tools_block_tail"],
+        "A": data["rendered_non_thinking"],
+        "B": data["rendered_thinking_multi_turn"],
     }
 
 
