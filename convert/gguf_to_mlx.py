@@ -20,18 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 from numpy.lib.array_utils import byte_bounds
 
 from ds4_mlx.gguf_file import DS4FormatError, GGUFModel, open_gguf
 from ds4_mlx.mlx_dir import (
-    CONFIG, FORMAT, FORMAT_VERSION, INDEX, TOKENIZER, TOKENIZER_CONFIG, config_to_json, sha256_file,
+    CONFIG, FORMAT, FORMAT_VERSION, INDEX, TOKENIZER, TOKENIZER_CONFIG, config_to_json, sha256_file, storage_layout,
     tokenizer_lists_from_hf,
 )
 
 STATE = ".ds4-convert-state.json"  # resume record: source identity, plan, finished shards' size + sha256
 COPY_CHUNK = 64 << 20
-_ST_DTYPE = {T.F32: "F32", T.F16: "F16", T.BF16: "BF16", T.I32: "I32"}  # everything else: raw blocks, "U8"
 
 
 @dataclass
@@ -73,11 +72,7 @@ class Shard:
 
 
 def _entry(name: str, t, file_base: int) -> Entry:
-    if t.qtype in _ST_DTYPE:
-        storage, dtype = t.shape, _ST_DTYPE[t.qtype]
-    else:
-        block, type_size = GGML_QUANT_SIZES[t.qtype]
-        storage, dtype = (*t.shape[:-1], t.shape[-1] // block * type_size), "U8"
+    dtype, storage = storage_layout(t.qtype, t.shape)
     if not t.data.flags.c_contiguous or t.data.nbytes != t.nbytes:
         raise DS4FormatError(f"{name}: tensor data is not one contiguous run of {t.nbytes} bytes in the GGUF")
     return Entry(name, t.qtype, tuple(t.shape), tuple(storage), dtype, byte_bounds(t.data)[0] - file_base, t.nbytes)

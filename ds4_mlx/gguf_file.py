@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, GGUFValueType as VT, GGMLQuantizationType as T
 
-from .config import ModelConfig
+from .config import DS4FormatError, ModelConfig, check_config
 from .layout import expected_tensors, optional_tensors, tensor_nbytes
-from .tokenizer import SPECIAL_TOKENS
+from .tokenizer import SPECIAL_TOKENS, check_merges
 
 ARCH = "deepseek4"
 
@@ -60,11 +60,18 @@ _FLOAT_KEYS = {
     "rms_eps": "attention.layer_norm_rms_epsilon",
     "hc_eps": "hyper_connection.epsilon",
 }
+# ModelConfig field -> the GGUF key it is read from (for messages)
+_KEY_NAMES = {
+    **{field: f"{ARCH}.{key}" for field, key in {**_INT_KEYS, **_FLOAT_KEYS}.items()},
+    "compress_ratios": f"{ARCH}.attention.compress_ratios",
+    "swiglu_clamp": f"{ARCH}.swiglu_clamp_exp",
+    "expert_weights_norm": f"{ARCH}.expert_weights_norm",
+    "context_length": f"{ARCH}.context_length",
+    "name": "general.name",
+}
 
-
-
-class DS4FormatError(ValueError):
-    """A file that is not a usable DS4 GGUF. The message names the file and what is wrong."""
+__all__ = ["DS4FormatError", "GGUFModel", "TensorInfo", "TokenizerData", "check_tensor_values", "check_tokenizer",
+           "load_weights", "open_gguf"]
 
 
 @dataclass(frozen=True)
@@ -258,45 +265,43 @@ def _parse_config(meta: _Metadata) -> ModelConfig:
 
 
 def _check_consistency(cfg: ModelConfig, where: str, value_length: int, group_count: int, group_used: int) -> None:
-    """Relations the graph relies on (MODEL.md §9.2). Each failure names the keys involved."""
+    """:func:`~ds4_mlx.config.check_config` under the GGUF's key names, plus the keys only a GGUF has."""
     p = ARCH + "."
 
     def need(ok: bool, what: str) -> None:
         if not ok:
             raise DS4FormatError(f"{where}: inconsistent metadata: {what}")
 
-    for field, key in _INT_KEYS.items():
-        need(getattr(cfg, field) >= (0 if field == "n_hash_layer" else 1), f"{p}{key} = {getattr(cfg, field)}, expected > 0")
+    check_config(cfg, where, _KEY_NAMES)
     need(value_length == cfg.head_dim, f"{p}attention.value_length {value_length} != key_length {cfg.head_dim}")
-    need(cfg.n_head_kv == 1, f"{p}attention.head_count_kv = {cfg.n_head_kv}, expected 1 (one shared K=V head)")
-    need(cfg.n_expert_used <= cfg.n_expert, f"{p}expert_used_count {cfg.n_expert_used} > expert_count {cfg.n_expert}")
-    need(cfg.n_expert_shared == 1, f"{p}expert_shared_count = {cfg.n_expert_shared}, expected 1")
-    need(cfg.n_hash_layer <= cfg.n_layer, f"{p}hash_layer_count {cfg.n_hash_layer} > block_count {cfg.n_layer}")
-    need(cfg.n_head % cfg.n_out_group == 0, f"{p}attention.head_count {cfg.n_head} not divisible by output_group_count {cfg.n_out_group}")
-    need(cfg.n_rot % 2 == 0 and cfg.n_rot <= min(cfg.head_dim, cfg.indexer_head_dim), f"{p}rope.dimension_count {cfg.n_rot} must be even and <= key lengths")
-    need(cfg.nope_dim > 0 and cfg.nope_dim % 64 == 0, f"{p}attention.key_length - rope.dimension_count = {cfg.nope_dim}, expected a positive multiple of 64 (FP8 blocks)")
-    need(cfg.indexer_head_dim == 128, f"{p}attention.indexer.key_length = {cfg.indexer_head_dim}, expected 128 (Hadamard-128)")
-    need(cfg.n_embd % 256 == 0 and cfg.n_ff_exp % 256 == 0, f"{p}embedding_length {cfg.n_embd} and expert_feed_forward_length {cfg.n_ff_exp} must be multiples of 256")
-    need(cfg.q_lora_rank % 32 == 0 and cfg.o_lora_rank % 32 == 0, f"{p}attention.q_lora_rank/output_lora_rank must be multiples of 32 (Q8_0 rows)")
     need(group_count == 0 and group_used == 0, f"{p}expert_group_count/expert_group_used_count = {group_count}/{group_used}, expected 0 (no group-limited routing)")
-    for il, r in enumerate(cfg.compress_ratios):
-        need(r >= 0, f"{p}attention.compress_ratios[{il}] = {r}, expected >= 0")
-    need(all(c > 0 for c in cfg.swiglu_clamp), f"{p}swiglu_clamp_exp must be positive")
 
 
 def _parse_tokenizer(meta: _Metadata, cfg: ModelConfig) -> TokenizerData:
     tokens = meta.array("tokenizer.ggml.tokens", str, 1)
-    if len(tokens) != cfg.n_vocab:
-        raise DS4FormatError(
-            f"{meta.where}: tokenizer.ggml.tokens has {len(tokens)} entries, expected vocab_size {cfg.n_vocab}"
-        )
     merges = meta.array("tokenizer.ggml.merges", str, 1)
-    known = set(tokens)
+    types = meta.fields.get("tokenizer.ggml.token_type")
+    data = TokenizerData(tokens, merges, [int(t) for t in types.contents()] if types is not None else None)
+    check_tokenizer(data, cfg.n_vocab, meta.where)
+    return data
+
+
+def check_tokenizer(data: TokenizerData, n_vocab: int, where: str, source: str = "tokenizer.ggml") -> None:
+    """Raise :class:`DS4FormatError` unless ``data`` builds the tokenizer: one token per vocab id, the 7
+    specials present, every merge ``"A B"`` over the vocabulary. ``source`` names the lists in messages."""
+    if len(data.tokens) != n_vocab:
+        raise DS4FormatError(f"{where}: {source}.tokens has {len(data.tokens)} entries, expected vocab_size {n_vocab}")
+    bad = next((i for i, t in enumerate(data.tokens) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise DS4FormatError(f"{where}: {source}.tokens[{bad}] is {data.tokens[bad]!r}, expected a string")
+    known = set(data.tokens)
     for s in SPECIAL_TOKENS:
         if s not in known:
-            raise DS4FormatError(f"{meta.where}: tokenizer.ggml.tokens lacks the special token {s!r}")
-    types = meta.fields.get("tokenizer.ggml.token_type")
-    return TokenizerData(tokens, merges, [int(t) for t in types.contents()] if types is not None else None)
+            raise DS4FormatError(f"{where}: {source}.tokens lacks the special token {s!r}")
+    try:
+        check_merges(known, data.merges)
+    except ValueError as e:
+        raise DS4FormatError(f"{where}: {source}.merges: {e}") from None
 
 
 # ---- tensors -------------------------------------------------------------------------------------
@@ -323,7 +328,22 @@ def _bind_tensors(reader: GGUFReader, cfg: ModelConfig, where: str) -> dict[str,
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise DS4FormatError(f"{where}: missing tensor {missing[0]}{more}")
     _check_expert_types(found, cfg, where)
+    check_tensor_values({n: t.data for n, t in found.items() if t.qtype in (T.F32, T.I32)}, cfg, where)
     return found
+
+
+def check_tensor_values(small: dict[str, np.ndarray], cfg: ModelConfig, where: str) -> None:
+    """The values of the small tensors (the F32 norms, HC scales, sinks and router biases; the I32 hash-routing
+    tables): one NaN or infinity in a norm makes every logit NaN, an expert id out of range reads past the
+    experts. Cheap: these are a few MB even in the full model."""
+    for name, a in small.items():
+        if a.dtype.kind == "f":
+            if not np.isfinite(a).all():
+                i = int(np.flatnonzero(~np.isfinite(a.reshape(-1)))[0])
+                raise DS4FormatError(f"{where}: tensor {name} holds {a.reshape(-1)[i]} at index {i}, expected finite values")
+        elif a.size and (a.min() < 0 or a.max() >= cfg.n_expert):
+            bad = int(a.min()) if a.min() < 0 else int(a.max())
+            raise DS4FormatError(f"{where}: tensor {name} holds expert id {bad}, expected 0..{cfg.n_expert - 1}")
 
 
 def _check_expert_types(found: dict[str, TensorInfo], cfg: ModelConfig, where: str) -> None:

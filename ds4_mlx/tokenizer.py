@@ -25,7 +25,7 @@ from __future__ import annotations
 import codecs
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Literal, Protocol
 
 from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
@@ -43,6 +43,7 @@ __all__ = [
     "ds4_split",
     "official_split",
     "bytes_to_unicode",
+    "check_merges",
     "to_bytes",
     "Tokenizer",
     "StreamingDetokenizer",
@@ -156,6 +157,21 @@ def official_split(text: str) -> list[str]:
     return [p for p, _ in _OFFICIAL_PRE.pre_tokenize_str(text)]
 
 
+def check_merges(vocab: Container[str], merges: Sequence[str]) -> list[tuple[str, str]]:
+    """The merges as ``(A, B)`` pairs; raises ``ValueError`` naming the first one that is not ``"A B"`` with A,
+    B and AB in ``vocab`` (``tokenizers`` rejects an unknown A or B, and aborts the process on an unknown AB)."""
+    pairs = []
+    for rank, m in enumerate(merges):
+        parts = m.split(" ") if isinstance(m, str) else []
+        if len(parts) != 2:
+            raise ValueError(f"merge #{rank} is not 'A B': {m!r}")
+        missing = next((t for t in (parts[0], parts[1], parts[0] + parts[1]) if t not in vocab), None)
+        if missing is not None:
+            raise ValueError(f"merge #{rank} {m!r}: {missing!r} is not in the vocabulary")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
 class TokenizerData(Protocol):
     """What :meth:`Tokenizer.from_gguf` needs (``ds4_mlx.gguf_file.TokenizerData`` has it)."""
 
@@ -202,12 +218,7 @@ class Tokenizer:
         self.think_end_id: int
         self.dsml_id: int
 
-        pairs = []
-        for rank, m in enumerate(self.merges):
-            parts = m.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"merge #{rank} is not 'A B': {m!r}")
-            pairs.append((parts[0], parts[1]))
+        pairs = check_merges(index, self.merges)
         # a token string appearing twice keeps its first id (the specials' lookup rule)
         self._bpe = models.BPE(index, pairs, byte_fallback=False)
         self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()

@@ -117,19 +117,42 @@ def _bad_files(tmp):
         ["deepseek4.attention.compress_ratios", "3 entries", "at least 6"]))
     cases.append(("top-k > experts", _write(tmp / "topk.gguf", metadata={
         "deepseek4.expert_used_count": ("add_uint32", 32)}),
-        ["inconsistent metadata", "expert_used_count 32 > expert_count 16"]))
+        ["inconsistent metadata", "deepseek4.expert_used_count 32 > deepseek4.expert_count 16"]))
     cases.append(("missing key", _write(tmp / "nokey.gguf", metadata={"deepseek4.attention.q_lora_rank": None}),
                   ["missing metadata key deepseek4.attention.q_lora_rank"]))
     cases.append(("key type", _write(tmp / "keytype.gguf", metadata={"deepseek4.block_count": ("add_string", "six")}),
                   ["deepseek4.block_count", "STRING", "expected int"]))
     cases.append(("hash layers > layers", _write(tmp / "hash.gguf", metadata={
-        "deepseek4.hash_layer_count": ("add_uint32", 9)}), ["hash_layer_count 9 > block_count 6"]))
+        "deepseek4.hash_layer_count": ("add_uint32", 9)}), ["hash_layer_count 9 > deepseek4.block_count 6"]))
     tok = tiny_tokenizer(512)
     short_tok = type(tok)(tok.tokens[:500], tok.merges, None)
     cases.append(("vocab mismatch", _write(tmp / "vocab.gguf", tokenizer=short_tok),
                   ["tokenizer.ggml.tokens has 500 entries", "vocab_size 512"]))
     no_special = type(tok)(tok.tokens[:-1] + ["plain"], tok.merges, None)
     cases.append(("missing special", _write(tmp / "special.gguf", tokenizer=no_special), ["special token", "DSML"]))
+    # values that load but make every logit NaN, never finish, or read past the experts
+    for label, key, method, value, needles in [
+        ("rms eps -1", "attention.layer_norm_rms_epsilon", "add_float32", -1.0, ["layer_norm_rms_epsilon = -1.0", "> 0"]),
+        ("rms eps nan", "attention.layer_norm_rms_epsilon", "add_float32", float("nan"), ["layer_norm_rms_epsilon = nan", "finite"]),
+        ("rope base 0", "rope.freq_base", "add_float32", 0.0, ["deepseek4.rope.freq_base = 0.0", "> 1"]),
+        ("yarn beta 0", "rope.scaling.yarn_beta_fast", "add_float32", 0.0, ["yarn_beta_fast = 0.0"]),
+        ("sinkhorn 4e9", "hyper_connection.sinkhorn_iterations", "add_uint32", 4_000_000_000, ["sinkhorn_iterations = 4000000000", "at most 100"]),
+        ("window 0", "attention.sliding_window", "add_uint32", 0, ["deepseek4.attention.sliding_window = 0"]),
+    ]:
+        cases.append((label, _write(tmp / f"{label.replace(' ', '_')}.gguf", metadata={f"deepseek4.{key}": (method, value)}), needles))
+    nan_norm = np.ones(256, np.float32)
+    nan_norm[7] = np.nan
+    cases.append(("nan norm", _write(tmp / "nan_norm.gguf", replace={"blk.2.attn_norm.weight": (nan_norm, T.F32)}),
+                  ["tensor blk.2.attn_norm.weight holds nan at index 7", "finite"]))
+    tid = np.zeros((512, 6), np.int32)
+    tid[3, 2] = 16
+    cases.append(("expert id", _write(tmp / "tid.gguf", replace={"blk.0.ffn_gate_tid2eid.weight": (tid, T.I32)}),
+                  ["blk.0.ffn_gate_tid2eid.weight holds expert id 16", "0..15"]))
+    merges = list(tok.merges)
+    cases.append(("merge not 'A B'", _write(tmp / "merge1.gguf", tokenizer=type(tok)(tok.tokens, merges[:5] + ["abc"] + merges[6:], None)),
+                  ["tokenizer.ggml.merges", "merge #5 is not 'A B'"]))
+    cases.append(("merge of unknown tokens", _write(tmp / "merge2.gguf", tokenizer=type(tok)(tok.tokens, ["q一 z丁"] + merges[1:], None)),
+                  ["tokenizer.ggml.merges", "merge #0", "not in the vocabulary"]))
     return cases
 
 
@@ -139,7 +162,7 @@ def bad_files(tmp_path_factory):
 
 
 def test_each_bad_file_raises_one_clear_error(bad_files):
-    assert len(bad_files) == 17
+    assert len(bad_files) == 27
     for label, path, needles in bad_files:
         with pytest.raises(DS4FormatError) as ei:
             open_gguf(path)
