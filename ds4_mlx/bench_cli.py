@@ -14,10 +14,10 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from . import bench as B
+from .cli_common import check_output_file, fail
 from .session import DEFAULT_CHUNK
 
 bench_app = typer.Typer(
@@ -25,14 +25,10 @@ bench_app = typer.Typer(
     invoke_without_command=True,
     no_args_is_help=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}")
-    raise typer.Exit(2)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -72,21 +68,25 @@ def bench(
     if ctx.invoked_subcommand is not None:
         return
     if (model is None) == (random_weights is None):
-        _fail("give exactly one of -m/--model FILE and --random-weights {tiny,full}")
+        fail("give exactly one of -m/--model FILE and --random-weights {tiny,full}")
     if random_weights is not None and random_weights not in ("tiny", "full"):
-        _fail(f"--random-weights must be tiny or full, got {random_weights!r}")
+        fail(f"--random-weights must be tiny or full, got {random_weights!r}")
     if experts not in ("q2", "q4"):
-        _fail(f"--experts must be q2 or q4, got {experts!r}")
+        fail(f"--experts must be q2 or q4, got {experts!r}")
     if gen_tokens < 1 or chunk < 1:
-        _fail("--gen-tokens and --chunk must be > 0")
+        fail("--gen-tokens and --chunk must be > 0")
     if step_incr is None and step_mul is None:
         step_incr = 2048
     if prompt_file is not None and not prompt_file.is_file():
-        _fail(f"--prompt-file {prompt_file}: no such file")
+        fail(f"--prompt-file {prompt_file}: no such file")
+    if csv_out is not None:
+        check_output_file(csv_out, "--csv")
+    if json_out is not None and str(json_out) != "-":
+        check_output_file(json_out, "--json")
     try:
         points = B.frontiers(ctx_start, ctx_max, step_incr, step_mul)
     except B.BenchError as e:
-        _fail(str(e))
+        fail(str(e))
     n_ctx = points[-1] + gen_tokens + 1  # ds4-bench's --ctx-alloc default
 
     # ---- plan memory before loading anything
@@ -103,7 +103,7 @@ def bench(
         try:
             g = open_gguf(model)
         except (DS4FormatError, OSError) as e:
-            _fail(str(e))
+            fail(str(e))
         cfg, weights_bytes = g.config, g.nbytes
         desc = f"{model.name} ({cfg.name or 'DS4'})"
         quant = f"{cfg.experts_label} ({'/'.join(cfg.expert_types)})"
@@ -112,7 +112,7 @@ def bench(
     try:
         plan.check(n_ctx)
     except B.BenchError as e:
-        _fail(str(e))
+        fail(str(e))
 
     system = B.system_info(desc, quant)
     sline = B.system_line(system)
@@ -136,17 +136,17 @@ def bench(
     try:
         limits = set_memory_limits(weights_bytes, plan.kv, cache_gb=cache_limit_gb)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     err.print(f"loaded in {load_s:.1f} s; active memory {_fmt_bytes(_active())}; {limits.describe()}")
 
     # ---- the token sequence
     need = points[-1]
     if prompt_file is not None:
         if tok is None:
-            _fail("this model has no tokenizer: --prompt-file needs one (leave it out to use generated tokens)")
+            fail("this model has no tokenizer: --prompt-file needs one (leave it out to use generated tokens)")
         ids = tok.encode(prompt_file.read_bytes())
         if len(ids) < need:
-            _fail(f"--prompt-file has {len(ids)} tokens, --ctx-max needs {need} (ds4-bench: the prompt must "
+            fail(f"--prompt-file has {len(ids)} tokens, --ctx-max needs {need} (ds4-bench: the prompt must "
                   f"have >= ctx-max tokens)")
         prompt_desc = f"{prompt_file.name} ({len(ids)} tokens)"
     else:
@@ -182,7 +182,7 @@ def bench(
             result = B.run_bench(m, ids, points, gen_tokens, eos_id=eos, chunk=chunk, warmup=not no_warmup,
                                  system=system, on_row=on_row)
     except B.BenchError as e:
-        _fail(str(e))
+        fail(str(e))
     result.params, result.load_s = params, load_s
 
     summary = Table(title="ds4-mlx bench", title_justify="left", caption=sline, caption_justify="left")
@@ -218,10 +218,11 @@ def plot(
     """Plot prefill and decode t/s against context for several runs on one figure."""
     for p in [*csvs, *([vs] if vs else [])]:
         if not p.is_file():
-            _fail(f"{p}: no such file")
+            fail(f"{p}: no such file")
+    check_output_file(out, "-o/--output")
     labels = list(label) if label else [p.stem for p in csvs]
     if len(labels) != len(csvs):
-        _fail(f"give one --label per CSV ({len(csvs)}), got {len(labels)}")
+        fail(f"give one --label per CSV ({len(csvs)}), got {len(labels)}")
     paths = list(csvs) + ([vs] if vs else [])
     labels += [f"{vs.stem} (baseline)"] if vs else []
     try:
@@ -239,7 +240,7 @@ def plot(
                     table.add_row("(no common frontiers)", "", "")
                 Console().print(table)
     except B.BenchError as e:
-        _fail(str(e))
+        fail(str(e))
     except ValueError as e:  # a malformed number in a CSV
-        _fail(f"bad CSV: {e}")
+        fail(f"bad CSV: {e}")
     err.print(f"wrote {out}")

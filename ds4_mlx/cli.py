@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from rich.console import Console
 from rich.table import Table
 
+from .cli_common import ErrorLineGroup, check_output_file, check_sampling, fail, say
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
 from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
 from .gguf_file import DS4FormatError, open_gguf
@@ -27,15 +28,11 @@ app = typer.Typer(
     help="DeepSeek V4 Flash on MLX: run, serve, inspect and test DS4 GGUF models.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: wraps long option names at 80 columns, flags without a type
+    cls=ErrorLineGroup,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 console = Console()
-
-
-def fail(message: str) -> None:
-    """Print one error line and exit with status 2 (bad input)."""
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 @app.command("make-tiny")
@@ -44,31 +41,40 @@ def make_tiny(
     seed: int = typer.Option(0, help="Random seed; the same seed writes identical bytes."),
     experts: str = typer.Option("q2", help="Routed-expert layout: q2 (IQ2_XXS/Q2_K), q4 (Q4_K) or f16."),
     hca_ratio: int = typer.Option(16, "--hca-ratio", help="Compression ratio R of the HCA layers (16 or 128)."),
-    layers: int = typer.Option(6, help="Number of layers (>= 6 covers every layer kind)."),
+    layers: int = typer.Option(6, help="Number of layers (>= 6 covers every layer kind; V4 Flash has 43)."),
 ) -> None:
     """Write a tiny random-weight DS4 GGUF in the exact published layout (for tests and demos)."""
     from .testing import make_tiny_gguf
 
     if experts not in ("q2", "q4", "f16"):
         fail(f"--experts must be q2, q4 or f16, got {experts!r}")
-    if hca_ratio < 8 or hca_ratio == 4:
-        fail(f"--hca-ratio must be >= 8 (and not the CSA ratio 4), got {hca_ratio}")
-    if layers < 3:
-        fail(f"--layers must be >= 3, got {layers}")
-    path = make_tiny_gguf(out, seed=seed, experts=experts, hca_ratio=hca_ratio, layers=layers)
+    if not 8 <= hca_ratio <= 1024:
+        fail(f"--hca-ratio must be 8..1024 (V4 Flash uses 128), got {hca_ratio}")
+    if not 3 <= layers <= 64:
+        fail(f"--layers must be 3..64, got {layers}")
+    check_output_file(out, "OUT")
+    try:
+        path = make_tiny_gguf(out, seed=seed, experts=experts, hca_ratio=hca_ratio, layers=layers)
+    except OSError as e:
+        fail(f"{out}: cannot write ({e.strerror or e})")
     console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {experts} experts, HCA ratio {hca_ratio})")
 
 
 @app.command()
 def inspect(
     model: Path = typer.Argument(..., help="A DS4 GGUF file or a directory written by `ds4-mlx convert`."),
-    ctx: list[int] = typer.Option([2048, 32768], help="Context sizes for the bytes-per-token estimate."),
+    ctx: list[int] = typer.Option([2048, 32768], min=1, help="Context sizes for the bytes-per-token estimate."),
 ) -> None:
-    """Validate a DS4 model and summarize it: config, tensor bytes by type and component, decode bytes/token."""
+    """Validate a DS4 model and summarize it: config, tensor bytes by type and component, decode bytes/token.
+
+    It runs every check that loading runs, without reading the large weights.
+    """
     try:
         cfg, tensors = _tensor_table(model)
     except DS4FormatError as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"{model}: cannot read ({e.strerror or e})")
     console.print(f"[bold]{model}[/]  {cfg.name or '(unnamed)'}")
     ratios = sorted(set(cfg.compress_ratios))
     summary = Table(show_header=False, box=None, pad_edge=False)
@@ -287,6 +293,10 @@ def generate(
     _check_positive(tokens=tokens, ctx=ctx, logprobs_top_k=logprobs_top_k)
     if logprobs_top_k > 128:
         fail(f"--logprobs-top-k must be <= 128, got {logprobs_top_k}")
+    if dump_logprobs is not None:
+        check_output_file(dump_logprobs, "--dump-logprobs")
+    else:
+        check_sampling(temp, top_p, top_k, min_p)
     if dump_tokens:
         _dump_tokens(_model_path(model, demo), prompt)
         return
@@ -374,6 +384,7 @@ def chat(
 ) -> None:
     """Interactive chat (REPL) that streams tokens and keeps the conversation in the live KV cache."""
     _check_positive(tokens=tokens, ctx=ctx)
+    check_sampling(temp, top_p, top_k, min_p)
     mode = _think_mode(think, nothink, think_max, ctx)
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
     m, tok = _load(model, demo)

@@ -1,11 +1,13 @@
 """``ds4-mlx kv``: look at and tidy a disk KV cache directory (the server's ``--kv-disk-dir``).
 
-    ds4-mlx kv ls DIR            files: tokens, size, save reason, age, hits, a preview of the cached text
-    ds4-mlx kv show FILE         one file: header, payload dimensions, text head and tail, tool ids
-    ds4-mlx kv rm FILE|PREFIX…   delete files (a name prefix is looked up in --dir)
-    ds4-mlx kv prune DIR --max-mb N   evict the least useful files until the directory fits (SERVING.md §5.7)
+    ds4-mlx kv ls DIR                  files: tokens, size, save reason, age, hits, a preview of the cached text
+    ds4-mlx kv show NAME [--dir DIR]   one file: header, payload dimensions, text head and tail, tool ids
+    ds4-mlx kv rm NAME… [--dir DIR]    delete files
+    ds4-mlx kv prune DIR --max-mb N    evict the least useful files until the directory fits (SERVING.md §5.7)
 
-Registered by the main CLI as ``app.add_typer(kv_app, name="kv")``. Nothing here loads a model.
+NAME is a file, or the start of a file name (what ``ls`` prints) looked up in ``--dir`` (default: the folder
+NAME names, else the current one). Registered by the main CLI as ``app.add_typer(kv_app, name="kv")``.
+Nothing here loads a model. Bad input: one ``error:`` line, exit status 2.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import List, Optional
 
 import typer
 
+from .cli_common import fail
 from .kvstore import PAYLOAD_HEAD, KVCacheError, evict_dir, list_entries, read_kv_file, score
 
-kv_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+kv_app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                      help="Inspect and prune the disk KV cache (files written by `serve --kv-disk-dir`).")
 
 
@@ -49,8 +52,27 @@ def _preview(text: bytes, n: int) -> str:
 
 def _check_dir(directory: Path) -> None:
     if not directory.is_dir():
-        typer.echo(f"error: {directory} is not a directory", err=True)
-        raise typer.Exit(2)
+        fail(f"{directory} is not a directory")
+
+
+def _resolve(target: str, directory: Optional[Path]) -> Path:
+    """A cache file from a path, or from the start of its name (``ls`` prints the first 12 characters) looked
+    up in ``directory`` (default: the folder the target names, else the current one)."""
+    p = Path(target)
+    if p.is_file():
+        if not p.name.endswith(".kv"):
+            fail(f"{target}: not a .kv file")
+        return p
+    folder = directory if directory is not None else p.parent
+    _check_dir(folder)
+    prefix = p.name if directory is None else target
+    matches = sorted(f for f in folder.glob("*.kv") if f.name.startswith(prefix) and f.is_file())
+    if len(matches) > 1:
+        fail(f"{target}: {len(matches)} files in {folder} start with {prefix!r}")
+    if not matches:
+        hint = "" if directory is not None else " (pass the cache directory with --dir DIR, or the file's path)"
+        fail(f"{target}: no file in {folder} starts with {prefix!r}{hint}")
+    return matches[0]
 
 
 @kv_app.command("ls")
@@ -82,20 +104,22 @@ def ls(
                    f"{_age(h.created, now):>6}{_age(h.last_used or h.created, now):>6}{h.hits:>6}  "
                    f"{_preview(kf.text, width)}")
     total = sum(e.size for e in entries)
-    typer.echo(f"{len(entries)} files, {_size(total)}" + (f"; {len(bad)} unreadable:" if bad else ""))
+    typer.echo(f"{len(entries)} files, {_size(total)}" + (f"; {len(bad)} unreadable:" if bad else "")
+               + (f"   (one in full: ds4-mlx kv show NAME --dir {directory})" if entries and not bad else ""))
     for name, why in bad:
         typer.echo(f"  {name}: {why}")
 
 
 @kv_app.command("show")
-def show(path: Path = typer.Argument(..., help="A .kv file."),
-         chars: int = typer.Option(200, "--chars", help="Characters of text shown from each end.")) -> None:
+def show(name: str = typer.Argument(..., help="A .kv file, or the start of its name as `kv ls` prints it."),
+         directory: Optional[Path] = typer.Option(None, "--dir", help="The cache directory NAME is looked up in."),
+         chars: int = typer.Option(200, "--chars", min=0, help="Characters of text shown from each end.")) -> None:
     """Show one file: header, payload dimensions, cached text (head and tail), tool ids."""
+    path = _resolve(name, directory)
     try:
         kf = read_kv_file(path)
     except KVCacheError as e:
-        typer.echo(f"error: {path}: {e}", err=True)
-        raise typer.Exit(1)
+        fail(f"{path}: {e}")
     h, now = kf.header, time.time()
     typer.echo(f"file        {path}")
     typer.echo(f"tokens      {h.tokens}   (saved: {h.reason_name}, ctx {h.ctx}, expert quant {h.quant_bits} bits)")
@@ -117,20 +141,10 @@ def show(path: Path = typer.Argument(..., help="A .kv file."),
 
 
 @kv_app.command("rm")
-def rm(targets: List[str] = typer.Argument(..., help="Files, or name prefixes looked up in --dir."),
-       directory: Optional[Path] = typer.Option(None, "--dir", help="Directory for name prefixes.")) -> None:
-    """Delete cache files."""
-    for t in targets:
-        p = Path(t)
-        if not p.exists() and directory is not None:
-            matches = [e.path for e in list_entries(directory) if e.name.startswith(t)]
-            if len(matches) != 1:
-                typer.echo(f"error: {t}: {len(matches)} files match in {directory}", err=True)
-                raise typer.Exit(1)
-            p = matches[0]
-        if not p.name.endswith(".kv") or not p.is_file():
-            typer.echo(f"error: {t}: not a .kv file", err=True)
-            raise typer.Exit(1)
+def rm(targets: List[str] = typer.Argument(..., help="Files, or the start of their names as `kv ls` prints them."),
+       directory: Optional[Path] = typer.Option(None, "--dir", help="The cache directory names are looked up in.")) -> None:
+    """Delete cache files (every name is resolved before any file is deleted)."""
+    for p in dict.fromkeys(_resolve(t, directory) for t in targets):
         p.unlink()
         typer.echo(f"removed {p}")
 
@@ -140,6 +154,8 @@ def prune(directory: Path = typer.Argument(..., help="The cache directory."),
           max_mb: float = typer.Option(..., "--max-mb", help="Keep at most this many MiB (least useful go first).")
           ) -> None:
     """Evict files by usefulness until the directory fits in --max-mb (the server's eviction rule)."""
+    if not max_mb >= 0:  # NaN too
+        fail(f"--max-mb must be >= 0, got {max_mb}")
     _check_dir(directory)
     removed = evict_dir(directory, int(max_mb * (1 << 20)))
     for e in removed:

@@ -99,7 +99,8 @@ def test_generate_bad_input_exits_2(demo_env, tmp_path):
     for args, needle in cases:
         r = runner.invoke(app, args)
         assert r.exit_code == 2, (args, r.output, r.stderr)
-        assert needle in r.stderr and r.stderr.startswith("error:"), (args, r.stderr)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and needle in errors[0] and "Traceback" not in r.stderr, (args, r.stderr)
 
 
 def test_dump_tokens_and_logprobs(demo_env, tmp_path):

@@ -266,7 +266,7 @@ def test_cli_command_convert_dry_run_and_verify(tiny_gguf, tmp_path):
     shard = sorted(out.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-1] + b"\0" if shard.read_bytes()[-1:] != b"\0" else shard.read_bytes()[:-1] + b"\1")
     r = run(app, ["convert", str(src), str(out), "--verify"])
-    assert r.exit_code == 1 and "corrupt shard" in r.output
+    assert r.exit_code == 2 and "corrupt shard" in r.output
 
 
 def test_check_model_and_tokenizer_data_accept_either(converted):

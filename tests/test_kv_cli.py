@@ -58,7 +58,7 @@ def test_show(kv_dir):
     assert "6 layers" in r.output and "'<real prefix>\\nline two'" in r.output
     bad = kv_dir / ("0" * 40 + ".kv")
     r = runner.invoke(kv_app, ["show", str(bad)])
-    assert r.exit_code == 1 and "shorter than" in r.output
+    assert r.exit_code == 2 and "shorter than" in r.output
 
 
 def test_prune_and_rm(kv_dir, tmp_path):
@@ -81,4 +81,4 @@ def test_prune_and_rm(kv_dir, tmp_path):
     r = runner.invoke(kv_app, ["rm", name[:8], "--dir", str(d)])
     assert r.exit_code == 0 and not (d / name).exists()
     r = runner.invoke(kv_app, ["rm", "nope", "--dir", str(d)])
-    assert r.exit_code == 1
+    assert r.exit_code == 2

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from ..chat import ThinkMode
+from ..cli_common import check_sampling
 from ..kvstore import CachePolicy
 from .worker import GenParams
 
@@ -119,8 +120,13 @@ def serve(
     """Serve the model over HTTP: OpenAI (chat, completions, responses) and Anthropic (messages) APIs."""
     if think not in ("none", "high", "max"):
         raise typer.BadParameter("--think must be none, high or max")
-    if ctx < 16 or port < 0 or port > 65535 or tokens < 1:
-        raise typer.BadParameter("invalid --ctx, --port or --tokens")
+    if ctx < 16:
+        raise typer.BadParameter(f"{ctx} is below 16 tokens", param_hint="'-c' / '--ctx'")
+    if not 0 <= port <= 65535:
+        raise typer.BadParameter(f"{port} is not a TCP port (0..65535)", param_hint="'--port'")
+    if tokens < 1:
+        raise typer.BadParameter(f"{tokens} is not a positive token count", param_hint="'-n' / '--tokens'")
+    check_sampling(temp, top_p, top_k, min_p)
     kv_policy = CachePolicy(kv_disk_space_mb, kv_cache_min_tokens, kv_cache_cold_max_tokens,
                             kv_cache_continued_interval_tokens, kv_cache_boundary_trim_tokens,
                             kv_cache_boundary_align_tokens, kv_cache_reject_different_quant)

@@ -1,0 +1,94 @@
+"""What every ``ds4-mlx`` subcommand shares: bad input ends in one ``error:`` line on stderr and exit status 2,
+output paths are checked before any work starts, sampling flags are checked the way ds4 clamps them."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
+
+try:  # typer >= 0.2x parses with its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:
+    from click import exceptions as click_errors
+
+USAGE_ERROR = 2  # every kind of bad input: a flag, a path, a file that is not a usable model
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def fail(message: str) -> NoReturn:
+    """Print one error line and exit with status 2 (bad input)."""
+    stderr.print(f"[bold red]error:[/] {escape(message)}")
+    raise typer.Exit(USAGE_ERROR)
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr; the command goes on."""
+    stderr.print(f"[yellow]warning:[/] {escape(message)}")
+
+
+def say(message: str) -> None:
+    """A status line on stderr (what the command is doing while it does it); stdout keeps the results."""
+    stderr.print(f"[dim]{escape(message)}[/]")
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Fail unless ``path`` can be written as a file: its folder exists and is writable, it is no directory.
+    Run before the work whose result goes there, so a typo in the path loses nothing."""
+    if path.is_dir():
+        fail(f"{option} {path}: is a directory, expected a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        fail(f"{option} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"{option} {path}: not writable")
+
+
+def check_sampling(temp: float, top_p: float, top_k: int, min_p: float) -> None:
+    """Sampling flags: a non-finite number is an error; a value ds4's sampler clamps gets a warning saying what
+    is used instead (SERVING.md §3: top-p outside (0, 1] is 1, min-p < 0 is 0, top-k <= 0 is off and > 1024
+    is 1024; temperature <= 0 is greedy)."""
+    for flag, v in (("--temp", temp), ("--top-p", top_p), ("--min-p", min_p)):
+        if not math.isfinite(v):
+            fail(f"{flag} must be a finite number, got {v}")
+    if temp < 0:
+        warn(f"--temp {temp:g} is negative: sampling is greedy, as with --temp 0")
+    if not 0 < top_p <= 1:
+        warn(f"--top-p {top_p:g} is outside (0, 1]: using 1 (off), as ds4 does")
+    if min_p < 0:
+        warn(f"--min-p {min_p:g} is negative: using 0 (off), as ds4 does")
+    elif min_p > 1:
+        warn(f"--min-p {min_p:g} is above 1: no token passes it, so sampling is greedy")
+    if top_k < 0:
+        warn(f"--top-k {top_k} is negative: top-k is off, as with 0")
+    elif top_k > 1024:
+        warn(f"--top-k {top_k} is above 1024: using 1024, as ds4 does")
+
+
+class ErrorLineGroup(TyperGroup):
+    """A typer group whose usage errors (an unknown option, a bad number, a missing argument) print one
+    ``error:`` line like the commands' own checks, instead of a usage block; exit status 2 either way."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click_errors.ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # a bare group: its help, as click shows it
+                e.show()
+            else:
+                hint = f" (see: {e.ctx.command_path} -h)" if isinstance(e, click_errors.UsageError) and e.ctx else ""
+                stderr.print(f"[bold red]error:[/] {escape(e.format_message())}{hint}")
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            print("Aborted!", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
