@@ -1,12 +1,14 @@
 """The ``ds4-mlx`` command line (typer). Each subcommand is a thin shell over the library.
 
-Bad input (a missing or non-DS4 file, a truncated GGUF, ...) prints one ``error:`` line on stderr and
-exits with status 2 — never a traceback.
+Bad input (a missing or non-DS4 file, a truncated GGUF, a bad flag, an output path that cannot be written...)
+prints one ``error:`` line on stderr and exits with status 2 — never a traceback. Results go to stdout; what
+the command is doing (building the demo model, loading, a prefill bar) goes to stderr.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -177,10 +179,14 @@ def _model_path(model: Optional[Path], demo: bool) -> Path:
 def _load(model: Optional[Path], demo: bool):
     from .loader import load
 
+    path = _model_path(model, demo)
+    say(f"loading {path}…")
     try:
-        return load(_model_path(model, demo))
+        return load(path)
     except DS4FormatError as e:
         fail(str(e))
+    except OSError as e:
+        fail(f"{path}: cannot read ({e.strerror or e})")
 
 
 def _think_mode(think: bool, nothink: bool, think_max: bool, ctx: int) -> ThinkMode:
@@ -226,35 +232,64 @@ class _Printer:
         sys.stdout.flush()
 
 
-def _prefill_progress(n_tokens: int):
-    """A rich progress bar on stderr for long prompts (None when short or not a terminal)."""
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+class _PrefillBar:
+    """``stream_generate``'s ``progress(done, total)``: a bar on stderr once a prefill has run ``delay`` seconds
+    (on a terminal; elsewhere the closing stats give the prefill speed). A timer thread shows it, so a long
+    chunk still shows its elapsed time before its first progress call."""
 
-    if n_tokens <= 512 or not sys.stderr.isatty():
-        return None, None
-    bar = Progress(TextColumn("prefill"), BarColumn(), TaskProgressColumn(), TextColumn("{task.completed}/{task.total} tokens"),
-                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-    task = bar.add_task("prefill", total=n_tokens)
-    return bar, lambda done, total: bar.update(task, completed=done, total=total)
+    def __init__(self, delay: float = 2.0) -> None:
+        self.delay, self.done, self.total = delay, 0, 0
+        self.console = Console(stderr=True)
+        self.lock = threading.Lock()
+        self.bar = self.task = self.timer = None
+        self.closed = False
+
+    def __call__(self, done: int, total: int) -> None:
+        with self.lock:
+            self.done, self.total = done, total
+            if self.timer is None and self.console.is_terminal:
+                self.timer = threading.Timer(self.delay, self._show)
+                self.timer.daemon = True
+                self.timer.start()
+            if self.bar is not None:
+                self.bar.update(self.task, completed=done, total=total)
+
+    def _show(self) -> None:
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        with self.lock:
+            if self.closed:
+                return
+            self.bar = Progress(SpinnerColumn(), TextColumn("prefill"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total} tokens"), TimeElapsedColumn(),
+                                TimeRemainingColumn(), console=self.console, transient=True)
+            self.task = self.bar.add_task("prefill", total=self.total, completed=self.done)
+            self.bar.start()
+
+    def close(self) -> None:
+        """Stop the timer and take the bar off the screen (the prefill is over)."""
+        with self.lock:
+            self.closed = True
+            if self.timer is not None:
+                self.timer.cancel()
+            if self.bar is not None:
+                self.bar.stop()
+                self.bar = None
 
 
 def _run_generation(model, tok, ids: list[int], session, *, n: int, params, seed, ctx: int, printer: _Printer):
     """Stream one generation to stdout; returns (generated ids, last response)."""
-    bar, progress = _prefill_progress(len(ids) - len(session.tokens))
+    bar = _PrefillBar()
     out, last = [], None
     try:
-        if bar:
-            bar.start()
         for last in stream_generate(model, tok, ids, max_tokens=n, sampling=params, seed=seed, ctx=ctx,
-                                    session=session, progress=progress):
-            if bar and bar.live.is_started:
-                bar.stop()
+                                    session=session, progress=bar):
+            bar.close()
             if last.token is not None:
                 out.append(last.token)
             printer.write(last.text, last.reasoning)
     finally:
-        if bar:
-            bar.stop()
+        bar.close()
         printer.close()
     return out, last
 

@@ -7,6 +7,8 @@ no download. Its weights are random, so its text is gibberish — it exercises t
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
 DEMO_SEED = 0
@@ -26,8 +28,11 @@ def demo_model_path() -> Path:
 
     path = cache_dir() / f"demo-tiny-q2-seed{DEMO_SEED}.gguf"
     if not path.exists():
+        print(f"building the demo model (once; cached as {path})…", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         make_tiny_gguf(tmp, seed=DEMO_SEED, experts="q2", hca_ratio=16)
         os.replace(tmp, path)
+        print(f"built the demo model in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return path

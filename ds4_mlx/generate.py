@@ -91,8 +91,10 @@ def sync_session(
 ) -> int:
     """Bring ``session`` to exactly ``tokens``, reusing its state when it holds a prefix of them.
 
-    Returns how many prompt tokens were already cached. ``progress(done, total)`` is called after every
-    prefill chunk. The compressor state cannot be rewound, so anything but a prefix means a fresh prefill.
+    Returns how many prompt tokens were already cached. ``progress(done, total)`` is called with ``done = 0``
+    before the prefill starts and after every prefill chunk, ``total`` being the tokens to prefill (a caller
+    can show a bar, or time the prefill from its first call). The compressor state cannot be rewound, so
+    anything but a prefix means a fresh prefill.
     """
     tokens = list(tokens)
     n = len(session.tokens)
@@ -102,6 +104,8 @@ def sync_session(
     elif cached == len(tokens):
         return cached
     todo = tokens[cached:]
+    if progress is not None:
+        progress(0, len(todo))
     for i in range(0, len(todo), chunk_size):
         session.prefill(todo[i : i + chunk_size])
         if progress is not None:
@@ -240,6 +244,8 @@ def stream_generate(
     """Generate from ``prompt``, yielding a :class:`GenerationResponse` per sampled token.
 
     ``session`` (optional) is reused when its tokens prefix the prompt and is left holding the conversation.
+    ``progress(done, total)``: prefill progress in prompt tokens (:func:`sync_session`; not called when the
+    session already holds the whole prompt).
     ``lag``: decode steps queued ahead of the id read back (:func:`decode_tokens`; 0 waits for every id).
     Raises ``ValueError`` when the prompt does not leave one free slot in ``ctx``.
     """

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -71,8 +72,55 @@ def test_generate_demo_prints_text_and_stats(demo_env):
     assert r.exit_code == 0, r.output + r.stderr
     assert r.stdout.strip()  # a continuation
     assert "Generation: 6 tokens" in r.stderr and "Prompt:" in r.stderr and "Peak memory" in r.stderr
+    # it says what it is doing, on stderr: the first run builds the demo model, every run loads it
+    status = r.stderr.splitlines()
+    assert status[0].startswith("building the demo model (once") and status[1].startswith("built the demo model in")
+    assert status[2].startswith("loading ") and "demo-tiny" in status[2]
     again = runner.invoke(app, ["generate", "--demo", "-p", "Hello", "-n", "6", "--seed", "1"])
     assert again.stdout == r.stdout  # same seed, same text
+    assert "building" not in again.stderr and again.stderr.startswith("loading ")
+
+
+def test_prefill_bar_shows_only_after_its_delay():
+    """The bar appears once a prefill has run ``delay`` seconds (a timer, so even inside one long chunk) and is
+    gone when the first token comes; a quick prefill never shows it."""
+    import io
+
+    from rich.console import Console
+
+    from ds4_mlx.cli import _PrefillBar
+
+    def bar_on_a_terminal(delay):
+        bar = _PrefillBar(delay)
+        bar.console = Console(file=io.StringIO(), force_terminal=True, width=80)
+        return bar
+
+    quick = bar_on_a_terminal(0.5)
+    quick(0, 100)
+    quick(100, 100)
+    quick.close()
+    time.sleep(0.7)
+    assert quick.console.file.getvalue() == ""
+    slow = bar_on_a_terminal(0.05)
+    slow(0, 1024)
+    time.sleep(0.3)  # the timer fired while "the first chunk ran"
+    slow(512, 1024)
+    shown = slow.console.file.getvalue()
+    slow.close()
+    assert "prefill" in shown and "1024 tokens" in shown
+    assert slow.bar is None and not slow.timer.is_alive()
+
+
+def test_stream_generate_reports_prefill_progress(tiny_gguf):
+    """``progress(done, total)``: ``(0, total)`` before the prefill, then after every chunk."""
+    from ds4_mlx import load, stream_generate
+
+    model, tok = load(tiny_gguf())
+    calls = []
+    ids = list(range(2, 42))
+    for _ in stream_generate(model, tok, ids, max_tokens=1, prefill_chunk=16, progress=lambda *a: calls.append(a)):
+        pass
+    assert calls == [(0, 40), (16, 40), (32, 40), (40, 40)]
 
 
 def test_generate_greedy_nothink_and_prompt_file(demo_env, tmp_path):
