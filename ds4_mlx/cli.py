@@ -2,7 +2,8 @@
 
 Bad input (a missing or non-DS4 file, a truncated GGUF, a bad flag, an output path that cannot be written...)
 prints one ``error:`` line on stderr and exits with status 2 — never a traceback. Results go to stdout; what
-the command is doing (building the demo model, loading, a prefill bar) goes to stderr.
+the command is doing (building the demo model, loading, bars for a load or a prefill that takes more than ~2 s)
+goes to stderr.
 """
 
 from __future__ import annotations
@@ -181,12 +182,15 @@ def _load(model: Optional[Path], demo: bool):
 
     path = _model_path(model, demo)
     say(f"loading {path}…")
+    bar = _DelayedBar("loading", bytes_=True)
     try:
-        return load(path)
+        return load(path, progress=lambda stage, done, total: bar(done, total, stage))
     except DS4FormatError as e:
         fail(str(e))
     except OSError as e:
         fail(f"{path}: cannot read ({e.strerror or e})")
+    finally:
+        bar.close()
 
 
 def _think_mode(think: bool, nothink: bool, think_max: bool, ctx: int) -> ThinkMode:
@@ -232,42 +236,44 @@ class _Printer:
         sys.stdout.flush()
 
 
-class _PrefillBar:
-    """``stream_generate``'s ``progress(done, total)``: a bar on stderr once a prefill has run ``delay`` seconds
-    (on a terminal; elsewhere the closing stats give the prefill speed). A timer thread shows it, so a long
-    chunk still shows its elapsed time before its first progress call."""
+class _DelayedBar:
+    """A ``progress(done, total[, label])`` callback: a bar on stderr once the work has run ``delay`` seconds
+    (on a terminal; elsewhere the closing stats give the speeds). A timer thread shows it, so a long step still
+    shows its elapsed time before its next progress call. ``bytes_``: amounts are bytes (else tokens)."""
 
-    def __init__(self, delay: float = 2.0) -> None:
-        self.delay, self.done, self.total = delay, 0, 0
+    def __init__(self, label: str, delay: float = 2.0, bytes_: bool = False) -> None:
+        self.label, self.delay, self.bytes = label, delay, bytes_
+        self.done = self.total = 0
         self.console = Console(stderr=True)
         self.lock = threading.Lock()
         self.bar = self.task = self.timer = None
         self.closed = False
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, done: int, total: int, label: str | None = None) -> None:
         with self.lock:
-            self.done, self.total = done, total
+            self.done, self.total, self.label = done, total, label or self.label
             if self.timer is None and self.console.is_terminal:
                 self.timer = threading.Timer(self.delay, self._show)
                 self.timer.daemon = True
                 self.timer.start()
             if self.bar is not None:
-                self.bar.update(self.task, completed=done, total=total)
+                self.bar.update(self.task, completed=done, total=total, description=self.label)
 
     def _show(self) -> None:
-        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
+        amount = DownloadColumn() if self.bytes else TextColumn("{task.completed}/{task.total} tokens")
         with self.lock:
             if self.closed:
                 return
-            self.bar = Progress(SpinnerColumn(), TextColumn("prefill"), BarColumn(),
-                                TextColumn("{task.completed}/{task.total} tokens"), TimeElapsedColumn(),
-                                TimeRemainingColumn(), console=self.console, transient=True)
-            self.task = self.bar.add_task("prefill", total=self.total, completed=self.done)
+            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), amount,
+                                TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=True)
+            self.task = self.bar.add_task(self.label, total=self.total, completed=self.done)
             self.bar.start()
 
     def close(self) -> None:
-        """Stop the timer and take the bar off the screen (the prefill is over)."""
+        """Stop the timer and take the bar off the screen (the work is over)."""
         with self.lock:
             self.closed = True
             if self.timer is not None:
@@ -279,7 +285,7 @@ class _PrefillBar:
 
 def _run_generation(model, tok, ids: list[int], session, *, n: int, params, seed, ctx: int, printer: _Printer):
     """Stream one generation to stdout; returns (generated ids, last response)."""
-    bar = _PrefillBar()
+    bar = _DelayedBar("prefill")
     out, last = [], None
     try:
         for last in stream_generate(model, tok, ids, max_tokens=n, sampling=params, seed=seed, ctx=ctx,

@@ -81,17 +81,17 @@ def test_generate_demo_prints_text_and_stats(demo_env):
     assert "building" not in again.stderr and again.stderr.startswith("loading ")
 
 
-def test_prefill_bar_shows_only_after_its_delay():
-    """The bar appears once a prefill has run ``delay`` seconds (a timer, so even inside one long chunk) and is
-    gone when the first token comes; a quick prefill never shows it."""
+def test_progress_bars_show_only_after_their_delay():
+    """A bar appears once a prefill (or a load) has run ``delay`` seconds (a timer, so even inside one long
+    chunk) and is gone when the work ends; quick work never shows it."""
     import io
 
     from rich.console import Console
 
-    from ds4_mlx.cli import _PrefillBar
+    from ds4_mlx.cli import _DelayedBar
 
-    def bar_on_a_terminal(delay):
-        bar = _PrefillBar(delay)
+    def bar_on_a_terminal(delay, bytes_=False):
+        bar = _DelayedBar("prefill", delay, bytes_)
         bar.console = Console(file=io.StringIO(), force_terminal=True, width=80)
         return bar
 
@@ -109,6 +109,14 @@ def test_prefill_bar_shows_only_after_its_delay():
     slow.close()
     assert "prefill" in shown and "1024 tokens" in shown
     assert slow.bar is None and not slow.timer.is_alive()
+    load = bar_on_a_terminal(0.05, bytes_=True)  # the loader's stages, in bytes
+    load(0, 4_000_000, "reading")
+    time.sleep(0.3)
+    load(3_000_000, 4_000_000, "to device")
+    time.sleep(0.2)
+    shown = load.console.file.getvalue()
+    load.close()
+    assert "to device" in shown and "3.0/4.0 MB" in shown
 
 
 def test_stream_generate_reports_prefill_progress(tiny_gguf):
