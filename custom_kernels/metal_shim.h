@@ -27,7 +27,11 @@ struct bfloat16_t {  // stand-in for MLX's bfloat16_t (RNE from float)
 
 struct uint3 { uint x, y, z; };
 struct uint2 { uint x, y; };
-struct uint4 { uint x, y, z, w; };
+struct uint4 {
+  uint x, y, z, w;
+  uint4() = default;
+  uint4(uint a, uint b, uint c, uint d) : x(a), y(b), z(c), w(d) {}
+};
 struct ulong2 { ulong x, y; ulong2(ulong a, ulong b) : x(a), y(b) {} };
 struct float4 {
   float x, y, z, w;

@@ -17,69 +17,123 @@ template <typename T> DS_FN void ds_att_load8(DS_TG ds_att_t* dst, const DS_DEV 
 }
 
 // The experts' prefill product reads x as bfloat16 (the B tile's precision: rounding it once, before the launch,
-// gives the same tile values). ds_copy_x8: 8 values of x into the B tile, or zeros.
+// gives the same tile values). ds_load_x8: 8 values of x as four words (or zeros); ds_store_x8: into the B tile.
 #if defined(DS_METAL)
 typedef bfloat16_t ds_xin_t;
-DS_FN void ds_copy_x8(threadgroup ds_tile_t* dst, const device ds_xin_t* src, bool ok) {
-#pragma unroll
-  for (int i = 0; i < 8; i += 4)
-    *((threadgroup float4*)(dst + i)) =
-        ok ? float4(float(src[i]), float(src[i + 1]), float(src[i + 2]), float(src[i + 3])) : float4(0.0f, 0.0f, 0.0f, 0.0f);
+DS_FN uint4 ds_load_x8(const device ds_xin_t* src, bool ok) {
+  if (!ok) return uint4(0u, 0u, 0u, 0u);
+  const device uint4* p = (const device uint4*)src;
+  return *p;
+}
+DS_FN float ds_bf16_lo(uint32_t w) { return as_type<float>(w << 16); }
+DS_FN float ds_bf16_hi(uint32_t w) { return as_type<float>(w & 0xffff0000u); }
+DS_FN void ds_store_x8(threadgroup ds_tile_t* dst, uint4 v) {
+  *((threadgroup float4*)dst) = float4(ds_bf16_lo(v.x), ds_bf16_hi(v.x), ds_bf16_lo(v.y), ds_bf16_hi(v.y));
+  *((threadgroup float4*)(dst + 4)) = float4(ds_bf16_lo(v.z), ds_bf16_hi(v.z), ds_bf16_lo(v.w), ds_bf16_hi(v.w));
 }
 #else
 typedef __nv_bfloat16 ds_xin_t;
-DS_FN void ds_copy_x8(ds_tile_t* dst, const ds_xin_t* src, bool ok) {  // 16 bytes: both 16-byte aligned
+DS_FN uint4 ds_load_x8(const ds_xin_t* src, bool ok) {  // 16 bytes, 16-byte aligned
   uint4 v;
   if (ok) {
     v = *((const uint4*)src);
   } else {
     v.x = v.y = v.z = v.w = 0u;
   }
-  *((uint4*)dst) = v;
+  return v;
 }
+DS_FN void ds_store_x8(ds_tile_t* dst, uint4 v) { *((uint4*)dst) = v; }  // bf16 tiles: the bits as they are
 #endif
 
-// Dequantize 16 weights: half `hf` (0/1) of unit u of `row`, exact f32 values (QUANTS.md §1.7).
-DS_FN void ds_deq16(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf, DS_THR float* out) {
-  if (qt == DS_Q8_0) {
+// 16 weights (half `hf` of unit u of a row) in two steps, so a kernel can issue the loads of its next tile before it
+// uses the words (ds_raw16_load), and decode them after its product of the current tile (ds_raw16_decode): the
+// words a half-unit needs, its scale fields' words, and (F32, never prefetched) where it lies.
+struct ds_raw16 {
+  uint32_t w[8];
+  uint32_t s0, s1;
+  const DS_DEV uint8_t* p;
+};
+
+DS_FN ds_raw16 ds_raw16_load(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf) {
+  ds_raw16 r;
+  r.s0 = r.s1 = 0u;
+  r.p = row;
+  if (qt == DS_Q8_0) {  // d, then 16 int8 (2-byte aligned blocks: halfword loads)
     const DS_DEV uint8_t* b = row + 34u * u;
-    const float d = ds_f16(b);
+    r.s0 = ds_ld16(b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.w[i] = ds_ld16(b + 2 + 16 * hf + 2 * i);
+  } else if (qt == DS_Q2_K) {  // 16 bytes of the 2-bit planes, (d, dmin), the group's scale byte
+    const DS_DEV uint8_t* b = row + 84u * (u >> 3);
+    const uint32_t rr = u & 7u;
+    const DS_DEV uint8_t* q = b + 16 + 32 * (rr >> 2) + 16 * hf;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.w[i] = ds_ld32(q + 4 * i);
+    r.s0 = ds_ld32(b + 80);
+    r.s1 = b[2 * rr + hf];
+  } else if (qt == DS_Q4_K) {  // 16 bytes of nibbles, (d, dmin), the 12 scale bytes
+    const DS_DEV uint8_t* b = row + 144u * (u >> 3);
+    const uint32_t j = u & 7u;
+    const DS_DEV uint8_t* q = b + 16 + 32 * (j >> 1) + 16 * hf;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.w[i] = ds_ld32(q + 4 * i);
+#pragma unroll
+    for (int i = 0; i < 3; ++i) r.w[4 + i] = ds_ld32(b + 4 + 4 * i);
+    r.s0 = ds_ld32(b);
+  } else if (qt == DS_IQ2_XXS) {  // d, the group's grid indices and its signs/scale word
+    const DS_DEV uint8_t* b = row + 66u * (u >> 3);
+    const DS_DEV uint8_t* g = b + 2 + 8 * (u & 7u);
+    r.w[0] = ds_ld32_a2(g);
+    r.w[1] = ds_ld32_a2(g + 4);
+    r.s0 = ds_ld16(b);
+  } else if (qt == DS_F16 || qt == DS_BF16) {
+    const DS_DEV uint8_t* b = row + 64u * u + 32u * hf;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.w[i] = ds_ld32(b + 4 * i);
+  }
+  return r;
+}
+
+// Byte i (0..11) of the three words w[4..6] (Q4_K's scale bytes).
+DS_FN uint32_t ds_raw_byte(DS_THR const ds_raw16& r, uint32_t i) { return (r.w[4 + i / 4] >> (8 * (i % 4))) & 255u; }
+
+DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_t hf, DS_THR float* out) {
+  if (qt == DS_Q8_0) {
+    const float d = DS_F16_BITS(r.s0);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      uint32_t q = ds_ld16(b + 2 + 16 * hf + 2 * i);
-      out[2 * i] = d * float((int8_t)(q & 255u));
-      out[2 * i + 1] = d * float((int8_t)(q >> 8));
+      out[2 * i] = d * float((int8_t)(r.w[i] & 255u));
+      out[2 * i + 1] = d * float((int8_t)(r.w[i] >> 8));
     }
   } else if (qt == DS_Q2_K) {
-    const DS_DEV uint8_t* b = row + 84u * (u >> 3);
-    const uint32_t r = u & 7u, sh = 2u * (r & 3u), grp = 2 * r + hf;
-    const DS_DEV uint8_t* q = b + 16 + 32 * (r >> 2) + 16 * hf;
-    const uint32_t sc = b[grp];
-    const float dl = ds_f16(b + 80) * float(sc & 15u), ml = ds_f16(b + 82) * float(sc >> 4);
+    const uint32_t sh = 2u * ((u & 7u) & 3u), sc = r.s1;
+    const float dl = DS_F16_BITS(r.s0 & 0xffffu) * float(sc & 15u), ml = DS_F16_BITS(r.s0 >> 16) * float(sc >> 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      uint32_t w = ds_ld32(q + 4 * i) >> sh;
+      const uint32_t w = r.w[i] >> sh;
 #pragma unroll
       for (int j = 0; j < 4; ++j) out[4 * i + j] = dl * float((w >> (8 * j)) & 3u) - ml;
     }
-  } else if (qt == DS_Q4_K) {
-    const DS_DEV uint8_t* b = row + 144u * (u >> 3);
+  } else if (qt == DS_Q4_K) {  // the 6-bit (scale, min) of sub-block j, as ds_q4k_scale_min takes them
     const uint32_t j = u & 7u, sh = 4u * (j & 1u);
-    const DS_DEV uint8_t* q = b + 16 + 32 * (j >> 1) + 16 * hf;
     float sc, m;
-    ds_q4k_scale_min(b + 4, j, sc, m);
-    const float dl = ds_f16(b) * sc, ml = ds_f16(b + 2) * m;
+    if (j < 4) {
+      sc = float(ds_raw_byte(r, j) & 63u);
+      m = float(ds_raw_byte(r, j + 4) & 63u);
+    } else {
+      sc = float((ds_raw_byte(r, j + 4) & 15u) | ((ds_raw_byte(r, j - 4) >> 6) << 4));
+      m = float((ds_raw_byte(r, j + 4) >> 4) | ((ds_raw_byte(r, j) >> 6) << 4));
+    }
+    const float dl = DS_F16_BITS(r.s0 & 0xffffu) * sc, ml = DS_F16_BITS(r.s0 >> 16) * m;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      uint32_t w = ds_ld32(q + 4 * i) >> sh;
+      const uint32_t w = r.w[i] >> sh;
 #pragma unroll
       for (int k = 0; k < 4; ++k) out[4 * i + k] = dl * float((w >> (8 * k)) & 15u) - ml;
     }
   } else if (qt == DS_IQ2_XXS) {
-    const DS_DEV uint8_t* b = row + 66u * (u >> 3);
-    const DS_DEV uint8_t* g = b + 2 + 8 * (u & 7u);
-    const uint32_t A = ds_ld32_a2(g), B = ds_ld32_a2(g + 4);
-    const float dl = ds_f16(b) * (0.5f + float(B >> 28)) * 0.25f;
+    const uint32_t A = r.w[0], B = r.w[1];
+    const float dl = DS_F16_BITS(r.s0) * (0.5f + float(B >> 28)) * 0.25f;
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
       const uint32_t k = 2 * hf + kk;
@@ -93,16 +147,21 @@ DS_FN void ds_deq16(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf, 
       }
     }
   } else if (qt == DS_F16 || qt == DS_BF16) {
-    const DS_DEV uint8_t* b = row + 64u * u + 32u * hf;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      uint32_t w = ds_ld32(b + 4 * i);
+      const uint32_t w = r.w[i];
       out[2 * i] = qt == DS_F16 ? DS_F16_BITS(w & 0xffffu) : DS_U32_AS_F(w << 16);
       out[2 * i + 1] = qt == DS_F16 ? DS_F16_BITS(w >> 16) : DS_U32_AS_F(w & 0xffff0000u);
     }
   } else {
-    const DS_DEV float* b = (const DS_DEV float*)(row + 128u * u + 64u * hf);
+    const DS_DEV float* b = (const DS_DEV float*)(r.p + 128u * u + 64u * hf);
 #pragma unroll
     for (int i = 0; i < 16; ++i) out[i] = b[i];
   }
+}
+
+// Dequantize 16 weights: half `hf` (0/1) of unit u of `row`, exact f32 values (QUANTS.md §1.7).
+DS_FN void ds_deq16(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf, DS_THR float* out) {
+  const ds_raw16 r = ds_raw16_load(qt, row, u, hf);
+  ds_raw16_decode(qt, r, u, hf, out);
 }
