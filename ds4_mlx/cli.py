@@ -24,7 +24,7 @@ from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
 from .gguf_file import DS4FormatError, open_gguf
 from .layout import decode_bytes_per_token, expected_tensors, optional_tensors, tensor_nbytes
 from .sampling import SamplingParams
-from .session import Session
+from .session import DEFAULT_CHUNK, Session
 
 app = typer.Typer(
     name="ds4-mlx",
@@ -43,24 +43,51 @@ def make_tiny(
     out: Path = typer.Argument(..., help="Where to write the GGUF (e.g. tiny.gguf)."),
     seed: int = typer.Option(0, help="Random seed; the same seed writes identical bytes."),
     experts: str = typer.Option("q2", help="Routed-expert layout: q2 (IQ2_XXS/Q2_K), q4 (Q4_K) or f16."),
-    hca_ratio: int = typer.Option(16, "--hca-ratio", help="Compression ratio R of the HCA layers (16 or 128)."),
-    layers: int = typer.Option(6, help="Number of layers (>= 6 covers every layer kind; V4 Flash has 43)."),
+    hca_ratio: int = typer.Option(16, "--hca-ratio", help="Compression ratio R of the HCA layers (16 or 128; tiny)."),
+    layers: Optional[int] = typer.Option(None, help="Number of layers (tiny: default 6, 3..64; full: 1..43)."),
+    shape: str = typer.Option(
+        "tiny", help="tiny (width 256, MB) or full (V4 Flash's real width, ~2 GB a layer with q2 experts, written "
+                     "tensor by tensor: the real-size loading path without the 81 GB download)."),
 ) -> None:
-    """Write a tiny random-weight DS4 GGUF in the exact published layout (for tests and demos)."""
-    from .testing import make_tiny_gguf
+    """Write a random-weight DS4 GGUF in the exact published layout (for tests, demos and load tests)."""
+    from .testing import make_full_width_gguf, make_tiny_gguf
 
     if experts not in ("q2", "q4", "f16"):
         fail(f"--experts must be q2, q4 or f16, got {experts!r}")
-    if not 8 <= hca_ratio <= 1024:
-        fail(f"--hca-ratio must be 8..1024 (V4 Flash uses 128), got {hca_ratio}")
-    if not 3 <= layers <= 64:
-        fail(f"--layers must be 3..64, got {layers}")
+    if shape not in ("tiny", "full"):
+        fail(f"--shape must be tiny or full, got {shape!r}")
+    if shape == "full":
+        if experts == "f16":
+            fail("--shape full takes q2 or q4 experts (f16 experts would be ~25 GB a layer)")
+        if layers is None or not 1 <= layers <= 43:
+            fail(f"--shape full needs --layers 1..43 (the real model has 43), got {layers}")
+    else:
+        layers = 6 if layers is None else layers
+        if not 8 <= hca_ratio <= 1024:
+            fail(f"--hca-ratio must be 8..1024 (V4 Flash uses 128), got {hca_ratio}")
+        if not 3 <= layers <= 64:
+            fail(f"--layers must be 3..64, got {layers}")
     check_output_file(out, "OUT")
     try:
-        path = make_tiny_gguf(out, seed=seed, experts=experts, hca_ratio=hca_ratio, layers=layers)
+        if shape == "full":
+            path = _write_with_bar(lambda bar: make_full_width_gguf(out, layers=layers, seed=seed, experts=experts,
+                                                                    progress=bar))  # fmt: skip
+        else:
+            path = make_tiny_gguf(out, seed=seed, experts=experts, hca_ratio=hca_ratio, layers=layers)
     except OSError as e:
         fail(f"{out}: cannot write ({e.strerror or e})")
-    console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {experts} experts, HCA ratio {hca_ratio})")
+    what = f"{layers} full-width layers" if shape == "full" else f"HCA ratio {hca_ratio}"
+    console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {experts} experts, {what})")
+
+
+def _write_with_bar(write):
+    """Run ``write(progress)`` with a bar of the bytes written, on stderr."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(TextColumn("writing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True)) as bar:  # fmt: skip
+        task = bar.add_task("write", total=None)
+        return write(lambda done, total: bar.update(task, completed=done, total=total))
 
 
 @app.command()
@@ -160,6 +187,9 @@ SeedOpt = typer.Option(None, "--seed", help="Random seed (default: time based)."
 ThinkOpt = typer.Option(False, "--think", help="Thinking mode (the default).")
 NoThinkOpt = typer.Option(False, "--nothink", help="Non-thinking mode: answer directly.")
 ThinkMaxOpt = typer.Option(False, "--think-max", help="Think Max (needs --ctx >= 393216, else normal thinking).")
+ChunkOpt = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", help="Prompt tokens per model call (ds4's default too).")
+CacheLimitOpt = typer.Option(
+    None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none).")
 
 
 def _model_path(model: Optional[Path], demo: bool) -> Path:
@@ -177,14 +207,20 @@ def _model_path(model: Optional[Path], demo: bool) -> Path:
     return path
 
 
-def _load(model: Optional[Path], demo: bool):
+def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = None):
+    """The model and tokenizer, with a bar for a long load; MLX's memory limits set for its size."""
     from .loader import load
+    from .memory import set_memory_limits
 
     path = _model_path(model, demo)
     say(f"loading {path}…")
     bar = _DelayedBar("loading", bytes_=True)
     try:
-        return load(path, progress=lambda stage, done, total: bar(done, total, stage))
+        m, tok = load(path, progress=lambda stage, done, total: bar(done, total, stage))
+        set_memory_limits(m.weights_bytes, cache_gb=cache_limit_gb)
+        return m, tok
+    except ValueError as e:  # a bad --cache-limit-gb
+        fail(str(e))
     except DS4FormatError as e:
         fail(str(e))
     except OSError as e:
@@ -289,7 +325,7 @@ def _run_generation(model, tok, ids: list[int], session, *, n: int, params, seed
     out, last = [], None
     try:
         for last in stream_generate(model, tok, ids, max_tokens=n, sampling=params, seed=seed, ctx=ctx,
-                                    session=session, progress=bar):
+                                    session=session, prefill_chunk=session.chunk_size, progress=bar):
             bar.close()
             if last.token is not None:
                 out.append(last.token)
@@ -320,6 +356,8 @@ def generate(
     dump_tokens: bool = typer.Option(False, "--dump-tokens", help="Print the prompt's token ids (specials recognized) and exit."),
     dump_logprobs: Optional[Path] = typer.Option(None, "--dump-logprobs", help="Write a greedy continuation's top log-probs as JSON."),
     logprobs_top_k: int = typer.Option(20, "--logprobs-top-k", help="Alternatives per step in --dump-logprobs (max 128)."),
+    prefill_chunk: int = ChunkOpt,
+    cache_limit_gb: Optional[float] = CacheLimitOpt,
 ) -> None:
     """Generate a continuation of one prompt, rendered as a DS4 chat turn (like `ds4 -p`).
 
@@ -331,7 +369,7 @@ def generate(
         if not prompt_file.is_file():
             fail(f"no such prompt file: {prompt_file}")
         prompt = prompt_file.read_text(encoding="utf-8", errors="surrogateescape")
-    _check_positive(tokens=tokens, ctx=ctx, logprobs_top_k=logprobs_top_k)
+    _check_positive(tokens=tokens, ctx=ctx, logprobs_top_k=logprobs_top_k, prefill_chunk=prefill_chunk)
     if logprobs_top_k > 128:
         fail(f"--logprobs-top-k must be <= 128, got {logprobs_top_k}")
     if dump_logprobs is not None:
@@ -343,7 +381,7 @@ def generate(
         return
     mode = _think_mode(think, nothink, think_max, ctx)
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
-    m, tok = _load(model, demo)
+    m, tok = _load(model, demo, cache_limit_gb)
     ids = prompt_tokens(tok, prompt, system=system, think=mode)
     if len(ids) >= ctx:
         fail(f"the prompt is {len(ids)} tokens, which does not fit --ctx {ctx}")
@@ -351,7 +389,8 @@ def generate(
         _dump_logprobs(m, tok, ids, dump_logprobs, n=n, ctx=ctx, top_k=logprobs_top_k)
         return
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    _, last = _run_generation(m, tok, ids, Session(m), n=n, params=params, seed=seed, ctx=ctx, printer=_Printer())
+    session = Session(m, chunk_size=prefill_chunk, reserve=min(ctx, len(ids) + n))
+    _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=_Printer())
     Console(stderr=True).print(stats_text(last), highlight=False)
 
 
@@ -422,13 +461,15 @@ def chat(
     think: bool = ThinkOpt,
     nothink: bool = NoThinkOpt,
     think_max: bool = ThinkMaxOpt,
+    prefill_chunk: int = ChunkOpt,
+    cache_limit_gb: Optional[float] = CacheLimitOpt,
 ) -> None:
     """Interactive chat (REPL) that streams tokens and keeps the conversation in the live KV cache."""
-    _check_positive(tokens=tokens, ctx=ctx)
+    _check_positive(tokens=tokens, ctx=ctx, prefill_chunk=prefill_chunk)
     check_sampling(temp, top_p, top_k, min_p)
     mode = _think_mode(think, nothink, think_max, ctx)
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
-    m, tok = _load(model, demo)
+    m, tok = _load(model, demo, cache_limit_gb)
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     try:
         import readline
@@ -438,7 +479,7 @@ def chat(
             readline.read_history_file(history)
     except (ImportError, OSError):
         readline = None
-    session = Session(m)
+    session = Session(m, chunk_size=prefill_chunk)
     transcript = repl_prefix_tokens(tok, system=system, mode=mode)
     err = Console(stderr=True, soft_wrap=True)
     err.print(f"ds4-mlx chat: {m.cfg.name or 'model'}, ctx {ctx}, mode {mode.value}. /help for commands.", highlight=False)

@@ -97,6 +97,7 @@ class Model:
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any], numerics: str | Numerics | None = "ds4"):
         self.cfg = cfg
         self.numerics = get_numerics(numerics)
+        self.weights_bytes = sum(w.nbytes for w in weights.values())  # what the weights take in memory
         self.token_embd = weights["token_embd.weight"]  # [V, E] F16
         self.layers = [Block(cfg, il, weights, self.numerics) for il in range(cfg.n_layer)]
         # On CUDA, arrays made from host data (a GGUF, the random model's host-drawn tables) sit in managed memory
