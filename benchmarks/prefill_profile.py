@@ -24,10 +24,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+import ds4_mlx.kernels as kernels
 from ds4_mlx.model.attention import LayerCache
 from ds4_mlx.model.compressor import CompressorState
 from ds4_mlx.model.model import Model, hc_post, hc_post_pre, hc_pre
 from ds4_mlx.random_model import random_weights, shape_config
+from ds4_mlx.weights import kernel_backend
 
 LAYER_COUNT = {0: 2, 4: 21, 128: 20}  # the full model's layers by compression ratio
 
@@ -43,19 +45,18 @@ def timed(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
-def filled_cache(model: Model, il: int, pos: int) -> LayerCache:
-    """Layer ``il``'s cache after ``pos`` tokens, its rows random (timing only: the values do not matter)."""
+def filled_cache(model: Model, il: int, pos: int, rows_for: int) -> LayerCache:
+    """Layer ``il``'s cache after ``pos`` tokens, with the compressed rows of ``rows_for`` tokens (the chunk's own
+    rows too, which its compressors would append), all random (timing only: the values do not matter)."""
     cfg, attn = model.cfg, model.layers[il].attn
     cache = model.make_cache()[il]
-    if pos == 0:
-        return cache
     r, D = cache.ratio, cfg.head_dim
-    raw = mx.random.normal((min(pos, cfg.n_swa), D)).astype(attn.kv_dtype)
-    cache = replace(cache, pos=pos, raw=raw)
-    if r:
-        cache = replace(cache, comp=mx.random.normal((pos // r, D)).astype(attn.kv_dtype), n_comp=pos // r)
-    if cache.index is not None:
-        cache = replace(cache, index=mx.random.normal((pos // 4, cfg.indexer_head_dim)), n_index=pos // 4)
+    if pos:
+        cache = replace(cache, pos=pos, raw=mx.random.normal((min(pos, cfg.n_swa), D)).astype(attn.kv_dtype))
+    if r and rows_for // r:
+        cache = replace(cache, comp=mx.random.normal((rows_for // r, D)).astype(attn.kv_dtype), n_comp=rows_for // r)
+    if cache.index is not None and rows_for // 4:
+        cache = replace(cache, index=mx.random.normal((rows_for // 4, cfg.indexer_head_dim)), n_index=rows_for // 4)
     mx.eval([a for a in (cache.raw, cache.comp, cache.index) if a is not None])
     return cache
 
@@ -96,7 +97,8 @@ def profile(model: Model, T: int, ctx: int, reps: int) -> list[dict]:
         layer, attn, ffn = model.layers[il], model.layers[il].attn, model.layers[il].ffn
         ratio = cfg.compress_ratio(il)
         flops = layer_flops(model, il, T, pos)
-        cache = filled_cache(model, il, pos)
+        cache = filled_cache(model, il, pos, pos)  # as the chunk finds it
+        deep = filled_cache(model, il, pos, ctx)  # with the chunk's compressed rows: what its attention reads
 
         def t(piece: str, fn, part_of: str | None = None) -> None:
             ms = 1e3 * timed(lambda: mx.eval(fn()), reps)
@@ -117,13 +119,25 @@ def profile(model: Model, T: int, ctx: int, reps: int) -> list[dict]:
             t("compressor", lambda: attn.compressor(n, pos, cache.comp_state)[0], "attention")
         if attn.indexer is not None:
             t("indexer compressor", lambda: attn.indexer.compressor(n, pos, cache.index_state)[0], "attention")
-            if cache.n_index > cfg.indexer_top_k:
-                qa = attn.attn_q_a_kv.matmul(n)[:, : attn.q_lora]
-                Ci, Si = attn.rope.tables(pos + np.arange(T), attn.indexer.head_dim)
-                hw = attn.indexer.head_weights(n)
-                mx.eval(qa, Ci, Si, hw)
-                t("indexer scores", lambda: attn.indexer.scores(qa, hw, Ci, Si, cache.index[: cache.n_index]),
-                  "attention")
+        rC, rS = attn.rope.tables(pos + np.arange(T), attn.head_dim)
+        qa, q, kv = attn._project(n, rC, rS)
+        mx.eval(qa, q, kv)
+        t("projections and q/kv rows", lambda: attn._project(n, rC, rS)[1], "attention")
+        if attn.indexer is not None and deep.n_index > cfg.indexer_top_k:
+            Ci, Si = attn.rope.tables(pos + np.arange(T), attn.indexer.head_dim)
+            hw = attn.indexer.head_weights(n)
+            mx.eval(Ci, Si, hw)
+            t("indexer scores", lambda: attn.indexer.scores(qa, hw, Ci, Si, deep.index[: deep.n_index]), "attention")
+            t("indexer scores + top-k", lambda: attn._selected_rows(qa, n, pos, deep), "attention")
+        if hasattr(kernels, "attention_chunk") and kernel_backend() != "fallback":
+            keep = min(cache.n_raw, cfg.n_swa - 1)
+            raw_keys = mx.concatenate([cache.raw[cache.n_raw - keep :], kv]) if keep else kv
+            idx = attn._selected_rows(qa, n, pos, deep)
+            mx.eval(raw_keys, *([] if idx is None else [idx]))
+            k = attn.indexer.top_k if attn.indexer is not None else 0
+            t("attention core (one launch)", lambda: kernels.attention_chunk(
+                q, raw_keys, deep.comp if ratio else None, idx, attn.attn_sinks, keep=keep, window=cfg.n_swa,
+                pos=pos, ratio=ratio, top_k=k, scale=attn.scale, backend=kernel_backend()), "attention")  # fmt: skip
         t("moe", lambda: ffn.forward(n, toks))
         sel, w = ffn.route(n, toks)
         mx.eval(sel, w)
