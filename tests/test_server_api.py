@@ -316,7 +316,10 @@ def test_bad_input(base, path):
 def test_unknown_endpoint_and_models(base):
     r = httpx.get(base + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["message"] == "unknown endpoint"
-    assert httpx.get(base + "/v1/chat/completions").status_code == 404
+    r = httpx.get(base + "/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and "not allowed" in r.json()["error"]["message"]
+    r = httpx.delete(base + "/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error"
     models = httpx.get(base + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "deepseek-v4-flash"
     assert models["data"][0]["context_length"] == 4096

@@ -82,11 +82,11 @@ def test_resolve_thinking():
     assert resolve_thinking("deepseek-chat", 32768, thinking={"type": "enabled"}) is ThinkMode.HIGH
     assert resolve_thinking("deepseek-v4-flash", 32768, thinking={"type": "adaptive"}) is ThinkMode.HIGH
     assert resolve_thinking("deepseek-v4-flash", 32768, think=False) is ThinkMode.NONE
-    assert resolve_thinking("deepseek-v4-flash", 32768, efforts=("none",)) is ThinkMode.NONE
-    assert resolve_thinking("deepseek-v4-flash", 32768, efforts=("max",)) is ThinkMode.HIGH  # ctx gate
-    assert resolve_thinking("deepseek-v4-flash", 400000, efforts=("max",)) is ThinkMode.MAX
+    assert resolve_thinking("deepseek-v4-flash", 32768, efforts={"reasoning_effort": "none"}) is ThinkMode.NONE
+    assert resolve_thinking("deepseek-v4-flash", 32768, efforts={"reasoning_effort": "max"}) is ThinkMode.HIGH  # ctx gate
+    assert resolve_thinking("deepseek-v4-flash", 400000, efforts={"reasoning_effort": "max"}) is ThinkMode.MAX
     with pytest.raises(APIError):
-        resolve_thinking("deepseek-v4-flash", 32768, efforts=("extreme",))
+        resolve_thinking("deepseek-v4-flash", 32768, efforts={"reasoning_effort": "extreme"})
 
 
 def test_model_loader_reserves_the_context(tiny_gguf):

@@ -85,6 +85,7 @@ class GenParams:
     seed: int | None = None
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
+    explicit: frozenset[str] = frozenset()  # the knobs the request set (they win in thinking mode too, §3)
 
 
 @dataclass
