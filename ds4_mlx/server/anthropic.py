@@ -132,11 +132,14 @@ class MessageStream(Streamer):
         super().__init__(req, memory=memory)
         self.mid = mid
         self.index = -1
-        self.open: str | None = None  # type of the open content block
+        self.open_block: str | None = None  # type of the open content block
         self.sent_thinking = self.sent_text = self.sent_tools = False
 
     def event(self, name: str, data: dict) -> bytes:
         return sse({"type": name, **data}, event=name)
+
+    def keepalive(self) -> bytes:
+        return self.event("ping", {})  # what Anthropic's API sends; the SDKs skip it wherever it comes
 
     def start(self, info: dict) -> bytes:
         super().start(info)
@@ -146,32 +149,32 @@ class MessageStream(Streamer):
             "usage": usage(info["prompt_tokens"], info["cached_tokens"], 0)}})
 
     def _close(self) -> bytes:
-        if self.open is None:
+        if self.open_block is None:
             return b""
         out = b""
-        if self.open == "thinking":
+        if self.open_block == "thinking":
             out += self.event("content_block_delta", {"index": self.index,
                                                       "delta": {"type": "signature_delta", "signature": self.mid}})
-        self.open = None
+        self.open_block = None
         return out + self.event("content_block_stop", {"index": self.index})
 
     def _open(self, block: dict) -> bytes:
         out = self._close()
         self.index += 1
-        self.open = block["type"]
+        self.open_block = block["type"]
         return out + self.event("content_block_start", {"index": self.index, "content_block": block})
 
     def emit(self, events: list) -> bytes:
         out = []
         for e in events:
             if isinstance(e, Reasoning):
-                if self.open != "thinking":
+                if self.open_block != "thinking":
                     out.append(self._open({"type": "thinking", "thinking": "", "signature": ""}))
                 self.sent_thinking = True
                 out.append(self.event("content_block_delta", {"index": self.index,
                                                               "delta": {"type": "thinking_delta", "thinking": e.text}}))
             elif isinstance(e, Text):
-                if self.open != "text":
+                if self.open_block != "text":
                     out.append(self._open({"type": "text", "text": ""}))
                 self.sent_text = True
                 out.append(self.event("content_block_delta", {"index": self.index,

@@ -2,8 +2,10 @@
 
 Each POST is parsed and rendered by its API module, tokenized off the event loop, checked against the context,
 then handed to the single :class:`~ds4_mlx.server.worker.Worker` as a :class:`Job`. Streaming answers are SSE
-with a keepalive comment whenever nothing was written for ``keepalive`` seconds (long prefills included);
-a client that goes away cancels its job, which frees the worker at the next token or prefill chunk.
+that start with an event at once and send a keepalive *event* of their API (a chat chunk with an empty delta, a
+Responses ``response.in_progress``, an Anthropic ``ping``) whenever nothing was written for ``keepalive`` seconds:
+agent clients such as Codex count only events as activity, and a cold prefill can take minutes. A client that
+goes away cancels its job, which frees the worker within a layer of the prefill or at the next token.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from ..chat import ThinkMode, render_chat, render_completion
 from . import anthropic, bindings, openai, responses
 from .common import DEFAULT_MAX_BODY_MB, MODEL_ALIASES, MODEL_ID, APIError, ChatRequest, ToolMemory, new_id, outcome
 from .openapi import openapi_document
-from .sse import comment
 from .worker import GenParams, Job, Worker
 
 MODEL_CREATED = 1767225600
@@ -328,8 +329,7 @@ class Server:
             st = responses.ResponseStream(req, memory=self.memory)
         keepalive = self.cfg.keepalive
         last = time.monotonic()
-        phase = "queued"
-        yield comment("ds4-mlx")  # headers and a first byte right away: clients' idle timers start now
+        yield st.open()  # headers and a first event right away: clients' idle timers start now
         while True:
             try:
                 if first is not None:
@@ -337,18 +337,16 @@ class Server:
                 else:
                     ev = await asyncio.wait_for(job.events.get(),
                                                 timeout=max(0.01, keepalive - (time.monotonic() - last)))
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # queued, prefilling, or text held back: an event the client counts
                 last = time.monotonic()
-                yield comment(phase if phase in ("queued", "prefill") else "keepalive")
+                yield st.keepalive()
                 continue
             out = b""
             if ev[0] == "start":
-                phase = "prefill"
                 out = st.start(ev[1])
             elif ev[0] == "prefill":
                 continue
             elif ev[0] == "text":
-                phase = "decode"
                 out = st.text(ev[1])
             elif ev[0] == "done":
                 out = st.done(ev[1])

@@ -118,9 +118,11 @@ class ChatStream(Streamer):
         return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.req.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
-    def start(self, info: dict) -> bytes:
-        super().start(info)
+    def open(self) -> bytes:
         return self.chunk({"role": "assistant"})
+
+    def keepalive(self) -> bytes:
+        return self.chunk({})  # an empty delta, like the final chunk's: every chat client takes it
 
     def emit(self, events: list) -> bytes:
         out = []
@@ -156,6 +158,9 @@ class CompletionStream(Streamer):
     def chunk(self, text: str, finish: str | None = None) -> bytes:
         return sse({"id": self.rid, "object": "text_completion", "created": self.created, "model": self.req.model,
                     "choices": [{"text": text, "index": 0, "finish_reason": finish}]})
+
+    def keepalive(self) -> bytes:
+        return self.chunk("")
 
     def text(self, t: str) -> bytes:
         return self.chunk(t) if t else b""

@@ -236,9 +236,12 @@ class ResponseStream(Streamer):
         self.seq += 1
         return sse(ev)
 
-    def start(self, info: dict) -> bytes:
-        super().start(info)
-        return self.event("response.created", response=self.b.envelope("in_progress", []))
+    def open(self) -> bytes:
+        return self.event("response.created", response=self.b.envelope("in_progress", [])) + self.keepalive()
+
+    def keepalive(self) -> bytes:
+        # a lifecycle event with the same id and no output: the SDK's accumulator keeps the items it has
+        return self.event("response.in_progress", response=self.b.envelope("in_progress", []))
 
     def emit(self, events: list) -> bytes:
         out = []

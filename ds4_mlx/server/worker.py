@@ -484,9 +484,9 @@ class Worker:
         stop_hold = max((len(s) for s in p.stop), default=1) - 1
         raw, sent, n_gen, finish = "", 0, 0, None
 
-        def knobs() -> SamplingParams:  # §3: thinking ignores the client's knobs; §6.2: DSML structure is greedy
+        def knobs() -> SamplingParams:  # §3: thinking fills the knobs the client left out; §6.2: DSML structure is greedy
             greedy = tracker is not None and tracker.greedy
-            return server_params(client, thinking=job.mode.thinking, dsml_structure=greedy)
+            return server_params(client, thinking=job.mode.thinking, dsml_structure=greedy, explicit=p.explicit)
 
         while finish is None and n_gen < max_tokens:
             # Pipelined (generate.decode_tokens) until the answer ends or a continued save needs the session
