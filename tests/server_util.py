@@ -105,7 +105,7 @@ class FakeSession:
         rng = np.random.default_rng(self.pos * 1_000_003 + (self.tokens[-1] if self.tokens else 0))
         return rng.standard_normal(self.vocab).astype(np.float32) * 3
 
-    def prefill(self, tokens) -> np.ndarray:
+    def prefill(self, tokens, should_stop=None) -> np.ndarray:
         self.tokens.extend(int(t) for t in tokens)
         self.logits = self._logits()
         return self.logits
