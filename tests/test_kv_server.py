@@ -87,6 +87,8 @@ def test_restart_resumes_from_disk(tiny_gguf, tmp_path):
         assert st["prefill_tokens_computed"] == r2["usage"]["prompt_tokens"] - cold_at
         assert st["last_decisions"][-1]["reason"].startswith(f"disk hit at {cold_at} tokens")
         assert st["disk"]["bytes_read"] > 0 and st["disk"]["skipped"]
+        assert {"file": cache_name(bad_text), "reason": st["disk"]["last_skips"][0]["reason"]} in st["disk"]["last_skips"]
+        assert "payload magic" in st["disk"]["last_skips"][0]["reason"]
         assert st["disk"]["saves"].get("continued") == 1  # at 96 = 3 x 32 live tokens
         # Anthropic usage reports the reused tokens as cache reads
         a = httpx.post(base + "/v1/messages", timeout=120, json={

@@ -204,8 +204,8 @@ class Worker:
             self.load_error = f"{type(e).__name__}: {e}"
         if self.kv_dir and not self.load_error:
             try:
-                self.kv = DiskCache(self.kv_dir, self.session.model, ctx=self.ctx, chunk_size=self._chunk(),
-                                    policy=self.kv_policy, log=self.trace)
+                self.kv = DiskCache(self.kv_dir, self.session.model, ctx=self.ctx, policy=self.kv_policy,
+                                    log=self.trace)
                 self.trace(f"kv: disk cache {self.kv_dir}: {len(self.kv.entries())} files")
             except Exception as e:  # noqa: BLE001 - the server still serves without a disk cache
                 self.trace(f"kv: disk cache disabled: {type(e).__name__}: {e}")
