@@ -79,8 +79,9 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
     host = "127.0.0.1" if host == "localhost" else host
     kv = f", kv cache {kv_dir}" if kv_dir else ""
     print(f"ds4-mlx serve: http://{host}:{port}/v1 {banner}(ctx {ctx}{kv})", file=sys.stderr, flush=True)
-    # uvicorn shuts down gracefully on either signal, then raises it again: as KeyboardInterrupt for both
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn shuts down gracefully on either signal, then raises it again: as KeyboardInterrupt for both
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                       timeout_graceful_shutdown=3)).run()

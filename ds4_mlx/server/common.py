@@ -121,7 +121,7 @@ def max_tokens_of(body: dict, *keys: str) -> int | None:
 
 def stop_of(body: dict, key: str) -> list[str]:
     v = expect(body.get(key), (str, list, type(None)), key)
-    if isinstance(v, list):
+    if isinstance(v, list):  # (empty strings stop nothing)
         return [s for i, s in enumerate(v) if expect(s, str, f"{key}[{i}]")]
     return [v] if v else []
 
