@@ -87,12 +87,15 @@ class Session:
 
     def _run(self, tokens: list[int] | mx.array, wait: bool = True,
              should_stop: Callable[[], bool] | None = None) -> mx.array:
-        point = self.rewind_point() if should_stop is not None else None
-        try:
-            logits = self.model(tokens, self.pos, self.caches, should_stop=should_stop)
-        except PrefillCancelled:
-            self.rewind(point)  # the layers already run hold this call's rows: back to where it started
-            raise
+        if should_stop is None:
+            logits = self.model(tokens, self.pos, self.caches)
+        else:
+            point = self.rewind_point()
+            try:
+                logits = self.model(tokens, self.pos, self.caches, should_stop=should_stop)
+            except PrefillCancelled:
+                self.rewind(point)  # the layers already run hold this call's rows: back to where it started
+                raise
         # The whole new state is evaluated with the logits, also what they do not read yet (the compressor
         # frontiers until their window completes): so every step queues the same graph, up to which windows
         # complete. MLX-CUDA reuses a CUDA graph only for the same topology; leaving that state for a later
