@@ -20,7 +20,10 @@ Research scripts use two functions::
 
     from ds4_mlx.kvstore import session_to_file, session_from_file
     session_to_file(session, "state.kv", text=b"...")  # any cache key; the tokenizer's bytes by default
-    session = session_from_file(model, "state.kv")     # a new Session, bit-identical to the saved one
+    session = session_from_file(model, "state.kv")     # a new Session that continues like the saved one
+
+(bit-identical under the ``ds4`` profile; under ``hf`` the indexer rows, rotated to ds4's form and back, are
+exact to f32 rounding: they only rank compressed rows, and the tests' continuations equal uninterrupted runs).
 
 Every malformed, truncated, foreign or incompatible input raises :class:`KVCacheError` with a reason; the
 directory-level API turns that into a logged skip (never a crash, never a half-restored session).
