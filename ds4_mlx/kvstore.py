@@ -10,11 +10,20 @@ the file is named after its SHA1) and an optional tool-id map. :class:`DiskCache
 policy helpers, lookup of the longest cached byte prefix of a prompt, load, budget and eviction, and counters
 that explain every hit and miss.
 
+Files are interchangeable with ds4's. ds4-mlx writes the header bytes and payload fields as ds4 does (its
+prefill chunk, zeros where ds4 reserves) and the indexer rows in ds4's Hadamard-rotated form under either numeric
+profile, and appends a :class:`KVFooter` that ds4 never reads: the writer's model fingerprint and CRCs of the
+payload and the tool-id map, so a corrupt file is refused with a reason instead of loaded. ds4's own files have
+no footer and are loaded on the payload's checks alone.
+
 Research scripts use two functions::
 
     from ds4_mlx.kvstore import session_to_file, session_from_file
     session_to_file(session, "state.kv", text=b"...")  # any cache key; the tokenizer's bytes by default
-    session = session_from_file(model, "state.kv")     # a new Session, bit-identical to the saved one
+    session = session_from_file(model, "state.kv")     # a new Session that continues like the saved one
+
+(bit-identical under the ``ds4`` profile; under ``hf`` the indexer rows, rotated to ds4's form and back, are
+exact to f32 rounding: they only rank compressed rows, and the tests' continuations equal uninterrupted runs).
 
 Every malformed, truncated, foreign or incompatible input raises :class:`KVCacheError` with a reason; the
 directory-level API turns that into a logged skip (never a crash, never a half-restored session).
@@ -22,6 +31,7 @@ directory-level API turns that into a logged skip (never a crash, never a half-r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -30,13 +40,15 @@ import struct
 import threading
 import time
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
+
+from .numerics import f16r
 
 PAYLOAD_MAGIC = 0x34565344  # "DSV4" little-endian
 PAYLOAD_VERSION = 1
@@ -46,10 +58,15 @@ DEFAULT_CTX = 32768
 HEADER = struct.Struct("<3sBBBBBIIIIQQQI")  # SERVING.md §5.4: 52 bytes, then the cache text
 assert HEADER.size == 52
 PAYLOAD_HEAD = struct.Struct("<13I")
+DS4_PREFILL_CHUNK = 2048  # ds4's prefill chunk for contexts longer than that
 REASONS = {0: "unknown", 1: "cold", 2: "continued", 3: "evict", 4: "shutdown", 5: "agent", 6: "agent"}
 REASON_CODES = {"unknown": 0, "cold": 1, "continued": 2, "evict": 3, "shutdown": 4, "agent": 5}
 FLAG_TOOL_MAP, FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE = 1, 2, 4
 NAME_RE = re.compile(r"^[0-9a-f]{40}\.kv$")
+TMP_RE = re.compile(r"^[0-9a-f]{40}\.kv\.tmp\.(\d+)(?:\.\d+)?$")  # ds4: .tmp.<pid>; ds4-mlx: .tmp.<pid>.<tid>
+STALE_TMP_S = 3600.0  # no save takes this long
+FOOTER = struct.Struct("<3sBIIIQ")  # KVFooter: magic, version, fingerprint, payload CRC, trailer CRC, payload bytes
+FOOTER_MAGIC, FOOTER_VERSION = b"KVI", 1
 HALF_LIFE_S = 6 * 3600.0
 
 
@@ -82,20 +99,49 @@ def _f32(a: mx.array | None, n: int | None = None) -> bytes:
     return np.asarray(a.astype(mx.float32)).astype("<f4", copy=False).tobytes()
 
 
-def _payload_dims(cfg, ctx: int, chunk: int) -> list[int]:
-    return [PAYLOAD_MAGIC, PAYLOAD_VERSION, ctx, chunk, cfg.n_swa, cfg.n_swa, ctx // 4 + 2, 0, cfg.n_layer,
+def ds4_prefill_chunk(ctx: int) -> int:
+    """The prefill chunk ds4 records for a context of ``ctx`` tokens (2048, or the whole context when shorter).
+    ds4 loads only a payload whose value equals its own, so files are written with it whatever chunk the
+    session prefilled with; ds4-mlx's prefill gives the same state for any chunking, so loading ignores it."""
+    return min(DS4_PREFILL_CHUNK, ctx)
+
+
+def _payload_dims(cfg, ctx: int) -> list[int]:
+    """The 13 header words as ds4 writes them (token and raw-row counts left 0 for the caller)."""
+    raw_cap = min(cfg.n_swa, ctx)
+    comp_cap = ctx // min(r for r in cfg.compress_ratios if r) + 2
+    return [PAYLOAD_MAGIC, PAYLOAD_VERSION, ctx, ds4_prefill_chunk(ctx), raw_cap, raw_cap, comp_cap, 0, cfg.n_layer,
             cfg.head_dim, cfg.indexer_head_dim, cfg.n_vocab, 0]
 
 
+@functools.cache
+def _hadamard(n: int) -> np.ndarray:
+    """The normalized Sylvester Hadamard matrix in float64 (symmetric and orthogonal: its own inverse)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def _indexer_rows(rows: np.ndarray, numerics) -> np.ndarray:
+    """Indexer compressed rows (f32) between the engine's form and ds4's, in either direction. ds4 stores them
+    Hadamard-rotated (its FP4 simulation of the indexer, which the ``ds4`` profile keeps); the ``hf`` profile keeps
+    them unrotated (it rotates its queries neither), so it converts on save and on load, in float64: a round
+    trip is exact to f32 rounding."""
+    if numerics.indexer_qat or not len(rows):
+        return rows
+    return (rows.astype(np.float64) @ _hadamard(rows.shape[-1])).astype(np.float32)
+
+
 def session_payload(session, *, ctx: int = DEFAULT_CTX) -> bytes:
-    """The "DSV4" v1 payload of ``session``'s current state (ds4's layout; every row as f32)."""
+    """The "DSV4" v1 payload of ``session``'s current state (ds4's layout and row forms; every row as f32)."""
     cfg = session.model.cfg
     tokens = session.tokens
     N = len(tokens)
     if N == 0 or session.logits is None:
         raise KVCacheError("empty session")
     R = min(N, cfg.n_swa)
-    head = _payload_dims(cfg, ctx, session.chunk_size)
+    head = _payload_dims(cfg, ctx)
     head[7], head[12] = N, R
     caches = session.caches
     parts = [PAYLOAD_HEAD.pack(*head), np.asarray(tokens, "<u4").tobytes(), _f32(session.logits.reshape(-1)),
@@ -108,7 +154,8 @@ def session_payload(session, *, ctx: int = DEFAULT_CTX) -> bytes:
         if c.ratio:
             parts += [_f32(c.comp, c.n_comp), _f32(c.comp_state.kv), _f32(c.comp_state.score)]
         if c.index is not None:
-            parts += [_f32(c.index, c.n_index), _f32(c.index_state.kv), _f32(c.index_state.score)]
+            rows = _indexer_rows(np.asarray(c.index[: c.n_index].astype(mx.float32)), session.model.numerics)
+            parts += [rows.astype("<f4", copy=False).tobytes(), _f32(c.index_state.kv), _f32(c.index_state.score)]
     return b"".join(parts)
 
 
@@ -133,12 +180,14 @@ class _Reader:
         return arr
 
 
-def snapshot_from_payload(model, data: bytes | memoryview, *, ctx: int = DEFAULT_CTX, chunk_size: int | None = None):
+def snapshot_from_payload(model, data: bytes | memoryview, *, ctx: int = DEFAULT_CTX):
     """Parse a "DSV4" payload into a :class:`~ds4_mlx.session.SessionSnapshot` for ``model``.
 
     Validates like ds4's loader (magic/version, saved ctx ≤ ``ctx`` and N < ``ctx``, layer/dim/vocab and raw
-    window equal, prefill chunk equal to ``chunk_size`` when given, counts within capacity, payload consumed
-    exactly). Nothing is built until everything has been read, so a bad payload never yields partial state.
+    window equal, counts within capacity, payload consumed exactly) except for the recorded prefill chunk, which
+    does not change ds4-mlx's state (see :func:`ds4_prefill_chunk`). Indexer rows come back in the form the
+    model's numeric profile keeps them in. Nothing is built until everything has been read, so a bad payload
+    never yields partial state.
     """
     from .model.attention import LayerCache
     from .model.compressor import CompressorState
@@ -160,8 +209,8 @@ def snapshot_from_payload(model, data: bytes | memoryview, *, ctx: int = DEFAULT
             raise KVCacheError(f"incompatible model shape: {k} {got[k]} in the file, {v} in the model")
     if f_ctx > ctx or N >= ctx:
         raise KVCacheError(f"saved with ctx {f_ctx} at {N} tokens; current ctx is {ctx}")
-    if chunk_size is not None and f_chunk != chunk_size:
-        raise KVCacheError(f"prefill chunk {f_chunk} in the file, {chunk_size} here")
+    if f_chunk == 0:
+        raise KVCacheError("prefill chunk 0")
     if N == 0 or R != min(N, cfg.n_swa):
         raise KVCacheError(f"raw rows {R} for {N} tokens (window {cfg.n_swa})")
     tokens = r.u32(N)
@@ -204,12 +253,14 @@ def snapshot_from_payload(model, data: bytes | memoryview, *, ctx: int = DEFAULT
             c.n_comp = len(comp)
             c.comp_state = CompressorState.of(mx.array(state[0]), mx.array(state[1]))
         if index is not None:
-            c.index = mx.array(index) if len(index) else mx.zeros((0, ID), mx.float32)
+            c.index = mx.array(_indexer_rows(index, model.numerics)) if len(index) else mx.zeros((0, ID), mx.float32)
+            if model.numerics.f16_cache:  # ds4 rounds them to f16 (rows written by the hf profile are not yet)
+                c.index = f16r(c.index)
             c.n_index = len(index)
             c.index_state = CompressorState.of(mx.array(istate[0]), mx.array(istate[1]))
         caches.append(c)
-    mx.eval([mx.array(logits)] + [c.raw for c in caches])
-    return SessionSnapshot(tuple(int(t) for t in tokens), mx.array(logits), tuple(caches)), f_chunk
+    mx.eval([mx.array(logits)] + [a for c in caches for a in (c.raw, c.index) if a is not None])
+    return SessionSnapshot(tuple(int(t) for t in tokens), mx.array(logits), tuple(caches))
 
 
 # --- KVC files (SERVING.md §5.4) ------------------------------------------------------------------------------
@@ -223,7 +274,7 @@ class KVHeader:
     tokens: int
     hits: int
     ctx: int
-    model_id: int  # reserved u32 at offset 20 in ds4 (0 there = unknown): our model fingerprint
+    model_id: int  # u32 at offset 20, reserved by ds4: 0 as ds4 writes it (an earlier ds4-mlx put a fingerprint here)
     created: int
     last_used: int
     payload_bytes: int
@@ -259,6 +310,32 @@ class KVHeader:
     @property
     def size(self) -> int:
         return HEADER.size + self.text_bytes + self.payload_bytes
+
+
+@dataclass(frozen=True)
+class KVFooter:
+    """ds4-mlx's integrity footer, the last :data:`FOOTER` bytes of the files it writes. ds4 reads nothing after
+    the payload (or after the tool-id map's counted entries) and its files have no footer; when it rewrites a
+    file's tool map it truncates the file after the payload, footer included."""
+
+    fingerprint: int  # model_fingerprint() of the writer
+    payload_crc: int  # CRC-32 of the payload
+    trailer_crc: int  # CRC-32 of the bytes between the payload and the footer (the tool-id map)
+    payload_bytes: int
+
+    def pack(self) -> bytes:
+        return FOOTER.pack(FOOTER_MAGIC, FOOTER_VERSION, self.fingerprint, self.payload_crc, self.trailer_crc,
+                           self.payload_bytes)
+
+    @classmethod
+    def find(cls, tail: bytes, payload_bytes: int) -> "KVFooter | None":
+        """The footer that ends ``tail`` (the file's last bytes), or ``None`` when there is none."""
+        if len(tail) < FOOTER.size:
+            return None
+        magic, version, fp, pcrc, tcrc, nbytes = FOOTER.unpack(tail[-FOOTER.size:])
+        if magic != FOOTER_MAGIC or version != FOOTER_VERSION or nbytes != payload_bytes:
+            return None
+        return cls(fp, pcrc, tcrc, nbytes)
 
 
 def cache_name(text: bytes) -> str:
@@ -327,9 +404,11 @@ def kv_file_bytes(session, text: bytes, *, reason: str | int = "unknown", ctx: i
     code = REASON_CODES.get(reason, 0) if isinstance(reason, str) else int(reason)
     if tool_map:
         flags |= FLAG_TOOL_MAP
-    head = KVHeader(quant_bits(session.model), code, flags, session.pos, hits, ctx, model_fingerprint(session.model),
-                    now, now, len(payload), len(text))
-    return [head.pack(), bytes(text), payload] + ([tool_map_bytes(tool_map)] if tool_map else [])
+    head = KVHeader(quant_bits(session.model), code, flags, session.pos, hits, ctx, 0, now, now, len(payload),
+                    len(text))
+    trailer = tool_map_bytes(tool_map) if tool_map else b""
+    footer = KVFooter(model_fingerprint(session.model), zlib.crc32(payload), zlib.crc32(trailer), len(payload))
+    return [head.pack(), bytes(text), payload, trailer, footer.pack()]
 
 
 def session_to_file(session, path: str | os.PathLike, *, text: bytes | None = None, tokenizer=None,
@@ -346,13 +425,15 @@ def session_to_file(session, path: str | os.PathLike, *, text: bytes | None = No
 
 @dataclass
 class KVFile:
-    """A parsed KVC file (header, cache text, payload bytes, tool map)."""
+    """A parsed KVC file (header, cache text, payload bytes, tool-id map, ds4-mlx's footer if any)."""
 
     path: Path
     header: KVHeader
     text: bytes
     payload: bytes
     tool_map: dict[str, str]
+    footer: KVFooter | None = None
+    trailer: bytes = b""  # the raw bytes between the payload and the footer
 
 
 def _read_header(f) -> tuple[KVHeader, int]:
@@ -365,17 +446,45 @@ def _read_header(f) -> tuple[KVHeader, int]:
 
 
 def read_kv_file(path: str | os.PathLike, *, with_payload: bool = True) -> KVFile:
-    """Read and check the framing of a KVC file (raises :class:`KVCacheError`)."""
+    """Read and check the framing of a KVC file (raises :class:`KVCacheError`); ``with_payload=False`` reads the
+    header, the text and the footer only."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            head, _ = _read_header(f)
+            head, size = _read_header(f)
             text = f.read(head.text_bytes)
-            payload = f.read(head.payload_bytes) if with_payload else b""
-            trailer = f.read() if with_payload and head.flags & FLAG_TOOL_MAP else b""
+            if with_payload:
+                payload, rest = f.read(head.payload_bytes), f.read()
+            else:
+                payload, rest = b"", b""
+                if size >= head.size + FOOTER.size:
+                    f.seek(size - FOOTER.size)
+                    rest = f.read()
     except OSError as e:
         raise KVCacheError(f"unreadable: {e}") from e
-    return KVFile(path, head, text, payload, parse_tool_map(trailer) if trailer else {})
+    footer = KVFooter.find(rest, head.payload_bytes)
+    trailer = rest[: -FOOTER.size] if footer is not None else rest
+    tool_map = parse_tool_map(trailer) if with_payload and head.flags & FLAG_TOOL_MAP else {}
+    return KVFile(path, head, text, payload, tool_map, footer, trailer if with_payload else b"")
+
+
+def check_integrity(kf: KVFile, fingerprint: int) -> bool:
+    """Check ``kf`` (read with its payload) against its footer: ``True`` when it has one and everything matches,
+    ``False`` when it has none (ds4 wrote it, or rewrote its tool map: nothing to check against). A mismatch,
+    another model's fingerprint, or a file of an earlier ds4-mlx (a fingerprint in the header and no footer: its
+    indexer rows may be in the ``hf`` form) raises :class:`KVCacheError`."""
+    f = kf.footer
+    if f is None:
+        if kf.header.model_id:
+            raise KVCacheError("written by an earlier ds4-mlx (no integrity footer)")
+        return False
+    if f.fingerprint != fingerprint:
+        raise KVCacheError("written by a different model (fingerprint mismatch)")
+    if zlib.crc32(kf.payload) != f.payload_crc:
+        raise KVCacheError("payload checksum mismatch (corrupt file)")
+    if zlib.crc32(kf.trailer) != f.trailer_crc:
+        raise KVCacheError("tool-id map checksum mismatch (corrupt file)")
+    return True
 
 
 def read_tool_map(path: str | os.PathLike, max_ids: int = 100_000) -> dict[str, str]:
@@ -386,29 +495,59 @@ def read_tool_map(path: str | os.PathLike, max_ids: int = 100_000) -> dict[str, 
             if not head.flags & FLAG_TOOL_MAP:
                 return {}
             f.seek(head.size)
-            return parse_tool_map(f.read(), max_ids)
+            return parse_tool_map(f.read(), max_ids)  # it stops after its counted entries (before a footer)
     except (OSError, KVCacheError):
         return {}
 
 
 def session_from_file(model, path: str | os.PathLike, *, ctx: int | None = None, chunk_size: int | None = None):
-    """A new :class:`~ds4_mlx.session.Session` of ``model`` holding the state saved in ``path``.
+    """A new :class:`~ds4_mlx.session.Session` of ``model`` holding the state saved in ``path`` (by ds4-mlx under
+    either numeric profile, or by ds4).
 
-    ``ctx`` defaults to the file's; the session's prefill chunk is the file's (pass ``chunk_size`` to require a
-    value). Raises :class:`KVCacheError` for a file that does not fit ``model``.
+    ``ctx`` defaults to the file's; ``chunk_size`` is the new session's prefill chunk (default: the session's).
+    Raises :class:`KVCacheError` for a file that does not fit ``model`` or fails its integrity check.
     """
     from .session import Session
 
     kf = read_kv_file(path)
-    if kf.header.model_id and kf.header.model_id != model_fingerprint(model):
-        raise KVCacheError("written by a different model (fingerprint mismatch)")
-    snap, f_chunk = snapshot_from_payload(model, kf.payload, ctx=ctx or max(kf.header.ctx, kf.header.tokens + 1),
-                                          chunk_size=chunk_size)
+    check_integrity(kf, model_fingerprint(model))
+    snap = snapshot_from_payload(model, kf.payload, ctx=ctx or max(kf.header.ctx, kf.header.tokens + 1))
     if len(snap.tokens) != kf.header.tokens:
         raise KVCacheError(f"payload holds {len(snap.tokens)} tokens, header says {kf.header.tokens}")
-    session = Session(model, chunk_size=f_chunk)
+    session = Session(model) if chunk_size is None else Session(model, chunk_size=chunk_size)
     session.restore(snap)
     return session
+
+
+def remove_stale_tmp(directory: str | os.PathLike, log: Callable[[str], None] | None = None) -> int:
+    """Delete the temp files of saves that never finished (``<sha1>.kv.tmp.<pid>[.<tid>]``, left by a process
+    killed while writing; they are outside the budget): those whose process is gone, or older than
+    :data:`STALE_TMP_S`. A save in progress in a live process keeps its file. Returns how many were deleted."""
+    now, removed = time.time(), 0
+    for p in Path(directory).iterdir():
+        m = TMP_RE.match(p.name)
+        if m is None:
+            continue
+        try:
+            stale = not _pid_alive(int(m.group(1))) or now - p.stat().st_mtime > STALE_TMP_S
+            if stale:
+                p.unlink()
+                removed += 1
+                if log is not None:
+                    log(f"kv: removed {p.name}, the temp file of a save that never finished")
+        except OSError:
+            continue
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 # --- the directory (SERVING.md §5.5-5.7) ----------------------------------------------------------------------
@@ -542,11 +681,11 @@ class DiskCache:
     ``log(str)`` receives one line per decision (the server passes its ``--trace`` writer).
     """
 
-    def __init__(self, directory: str | os.PathLike, model, *, ctx: int = DEFAULT_CTX, chunk_size: int,
+    def __init__(self, directory: str | os.PathLike, model, *, ctx: int = DEFAULT_CTX,
                  policy: CachePolicy | None = None, log: Callable[[str], None] | None = None) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.model, self.ctx, self.chunk_size = model, ctx, chunk_size
+        self.model, self.ctx = model, ctx
         self.policy = policy or CachePolicy()
         self.policy.validate()
         self.log = log or (lambda s: None)
@@ -557,6 +696,8 @@ class DiskCache:
         self.misses = Counter()
         self.saves = Counter()
         self.skips = Counter()
+        self.recent_skips: deque = deque(maxlen=16)  # {"file", "reason"}, newest last
+        self.stats["stale_tmp_removed"] = remove_stale_tmp(self.dir, self.log)
         self.evict()
 
     # -- listing ------------------------------------------------------------------------------------------------
@@ -566,6 +707,7 @@ class DiskCache:
 
     def _skip(self, name: str, reason: str) -> None:
         self.skips[reason.split(":")[0]] += 1
+        self.recent_skips.append({"file": name, "reason": reason})
         self.log(f"kv: skip {name}: {reason}")
 
     @property
@@ -577,7 +719,7 @@ class DiskCache:
         entries = self.entries()
         return {"dir": str(self.dir), "files": len(entries), "bytes": sum(e.size for e in entries),
                 "budget_bytes": self.budget, **dict(self.stats), "misses": dict(self.misses),
-                "saves": dict(self.saves), "skipped": dict(self.skips),
+                "saves": dict(self.saves), "skipped": dict(self.skips), "last_skips": list(self.recent_skips),
                 "policy": {k: getattr(self.policy, k) for k in CachePolicy.__dataclass_fields__}}
 
     def tool_ids(self, wanted: set[str], max_ids: int = 100_000) -> dict[str, str]:
@@ -600,25 +742,17 @@ class DiskCache:
             self.log(f"kv: no {reason} save: {n} tokens < min {self.policy.min_tokens}")
             return None
         path = self.dir / cache_name(text)
-        keep = None  # §5.5: a compatible file with the same text keeps its history; only its tool map may change
-        if path.exists():
-            try:
-                old = read_kv_file(path, with_payload=False)
-                if (old.text == text and old.header.tokens == n and old.header.ctx <= self.ctx
-                        and old.header.model_id in (0, self.fingerprint)):
-                    keep = old.header
-            except KVCacheError:
-                pass
-        if keep is not None:
-            old_map = read_tool_map(path) if keep.flags & FLAG_TOOL_MAP else {}
-            if not tool_map or all(old_map.get(k) == v for k, v in tool_map.items()):
+        keep = self._same_save(path, text, n)  # §5.5: a file of the same save keeps its history
+        if keep is not None and keep.footer is not None:  # and is left alone if it checks out
+            if not tool_map or all(keep.tool_map.get(k) == v for k, v in tool_map.items()):
                 self.log(f"kv: {reason} save {path.name}: already on disk ({n} tokens)")
                 self.saves["already_saved"] += 1
                 return path
-            tool_map = {**old_map, **tool_map}
+            tool_map = {**keep.tool_map, **tool_map}
         try:
             parts = kv_file_bytes(session, text, reason=reason, ctx=self.ctx, flags=flags, tool_map=tool_map)
-            if keep is not None:  # same file, new tool map: keep hits and times
+            if keep is not None:  # same save rewritten (new tool map, or a copy without a footer): keep its history
+                keep = keep.header
                 h = KVHeader.unpack(parts[0])
                 h.hits, h.created, h.last_used, h.reason = keep.hits, keep.created, keep.last_used, keep.reason
                 parts[0] = h.pack()
@@ -641,6 +775,23 @@ class DiskCache:
         self.log(f"kv: {reason} save {path.name}: {n} tokens, {len(text)} text bytes, {written} bytes")
         self.evict(protect=path)
         return path
+
+    def _same_save(self, path: Path, text: bytes, n: int) -> KVFile | None:
+        """The file at ``path`` if it holds a save of ``text`` at ``n`` tokens that this model can load: either
+        intact by its footer, or without a footer (written by ds4) and then its footer is ``None``. ``None`` for a
+        file that is missing, for another save, or damaged: those are replaced."""
+        if not path.exists():
+            return None
+        try:
+            kf = read_kv_file(path)
+            if kf.text != text or kf.header.tokens != n or kf.header.ctx > self.ctx:
+                return None
+            if not check_integrity(kf, self.fingerprint):
+                kf.footer = None
+            return kf
+        except KVCacheError as e:
+            self.log(f"kv: replacing {path.name}: {e}")
+            return None
 
     # -- lookup and load (§5.6) ------------------------------------------------------------------------------
     def lookup(self, prompt: bytes) -> Lookup:
@@ -702,13 +853,14 @@ class DiskCache:
                 raise KVCacheError("text does not hash to the file name")
             if not prompt.startswith(kf.text):
                 raise KVCacheError("text is not a prefix of the prompt")
-            if kf.header.model_id and kf.header.model_id != self.fingerprint:
-                raise KVCacheError("written by a different model (fingerprint mismatch)")
-            snap, _ = snapshot_from_payload(self.model, kf.payload, ctx=self.ctx, chunk_size=self.chunk_size)
+            verified = check_integrity(kf, self.fingerprint)
+            snap = snapshot_from_payload(self.model, kf.payload, ctx=self.ctx)
         except KVCacheError as err:
             self._skip(e.name, str(err))
             return Lookup(f"incompatible file: {err}", e)
         self.stats["bytes_read"] += e.size
+        if not verified:
+            self.stats["loaded_without_footer"] += 1  # ds4's files: only the payload's own checks apply
         if len(snap.tokens) != kf.header.tokens:
             self._skip(e.name, "token mismatch (deleted)")
             e.path.unlink(missing_ok=True)

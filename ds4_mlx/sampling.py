@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -68,12 +68,17 @@ THINKING_PARAMS = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.05
 GREEDY_PARAMS = SamplingParams(temperature=0.0)
 
 
-def server_params(client: SamplingParams, *, thinking: bool, dsml_structure: bool = False) -> SamplingParams:
-    """Server override rules (§3), per token: thinking mode ignores the client's knobs; inside DSML structure
-    (``DSMLTracker.greedy``, tool requests only) sampling is greedy. The CLI does not override."""
+def server_params(client: SamplingParams, *, thinking: bool, dsml_structure: bool = False,
+                  explicit: Collection[str] = ()) -> SamplingParams:
+    """Server override rules (§3), per token: in thinking mode ds4's fixed knobs replace the ones the client did
+    not set (``explicit`` names those it did: they win, so temperature 0 stays greedy through the reasoning);
+    inside DSML structure (``DSMLTracker.greedy``, tool requests only) sampling is greedy. The CLI does not
+    override."""
     if dsml_structure:
         return GREEDY_PARAMS
-    return THINKING_PARAMS if thinking else client
+    if thinking:
+        return replace(THINKING_PARAMS, **{k: getattr(client, k) for k in explicit})
+    return client
 
 
 class XorShift64Star:

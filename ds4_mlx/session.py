@@ -13,11 +13,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .model.model import Model
+from .model.model import Model, PrefillCancelled
 from .weights import EVAL_LOCK
 
 #: Tokens per model call in a prefill (ds4's default too): a chunk reads every weight once, so larger chunks
@@ -88,8 +88,17 @@ class Session:
     def pos(self) -> int:
         return len(self._tokens)
 
-    def _run(self, tokens: list[int] | mx.array, wait: bool = True) -> mx.array:
-        logits = self.model(tokens, self.pos, self.caches)
+    def _run(self, tokens: list[int] | mx.array, wait: bool = True,
+             should_stop: Callable[[], bool] | None = None) -> mx.array:
+        if should_stop is None:
+            logits = self.model(tokens, self.pos, self.caches)
+        else:
+            point = self.rewind_point()
+            try:
+                logits = self.model(tokens, self.pos, self.caches, should_stop=should_stop)
+            except PrefillCancelled:
+                self.rewind(point)  # the layers already run hold this call's rows: back to where it started
+                raise
         # The whole new state is evaluated with the logits, also what they do not read yet (the compressor
         # frontiers until their window completes): so every step queues the same graph, up to which windows
         # complete. MLX-CUDA reuses a CUDA graph only for the same topology; leaving that state for a later
@@ -101,17 +110,21 @@ class Session:
         self.logits = logits
         return logits
 
-    def prefill(self, tokens: Sequence[int], chunk_size: int | None = None) -> mx.array:
+    def prefill(self, tokens: Sequence[int], chunk_size: int | None = None,
+                should_stop: Callable[[], bool] | None = None) -> mx.array:
         """Process ``tokens`` after the current history, ``chunk_size`` tokens per model call.
 
-        Returns the next-token logits ``[V]`` after the last one.
+        Returns the next-token logits ``[V]`` after the last one. ``should_stop`` is checked between layers
+        (a server passes "the client went away"): when it returns true the model call in progress is undone,
+        so the session ends at a call boundary exactly as if the prefill had stopped there, and
+        :class:`~ds4_mlx.model.model.PrefillCancelled` is raised.
         """
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("prefill needs at least one token")
         step = chunk_size or self.chunk_size
         for i in range(0, len(tokens), step):
-            self._run(tokens[i : i + step])
+            self._run(tokens[i : i + step], should_stop=should_stop)
         return self.logits
 
     def step(self, token: int | mx.array) -> mx.array:

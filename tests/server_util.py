@@ -24,9 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def running_server(model: Path, *args: str, fake: bool = False, timeout: float = 90.0):
-    """Start ``ds4-mlx serve -m model --port P args…`` with the test hooks on; yield the base URL; stop it.
+def start_server(model: Path, *args: str, fake: bool = False, timeout: float = 90.0) -> tuple[subprocess.Popen, str]:
+    """Start ``ds4-mlx serve -m model --port P args…`` with the test hooks on; -> (process, base URL) once ready.
 
     ``fake=True`` serves the same HTTP stack over :class:`FakeSession` (the GGUF gives only the tokenizer)."""
     port = free_port()
@@ -36,28 +35,39 @@ def running_server(model: Path, *args: str, fake: bool = False, timeout: float =
     cmd = [sys.executable, "-c", entry, "-m", str(model), "--port", str(port), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read().decode(errors='replace')}")
+        try:
+            if httpx.get(base + "/health", timeout=2).json()["status"] == "ok":
+                return proc, base
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError("server did not become ready")
+        time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stdout.read().decode(errors='replace')}")
-            try:
-                if httpx.get(base + "/health", timeout=2).json()["status"] == "ok":
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.2)
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    proc.stdout.close()
+
+
+@contextlib.contextmanager
+def running_server(model: Path, *args: str, fake: bool = False, timeout: float = 90.0):
+    """:func:`start_server` as a context: yield the base URL, stop the server at the end."""
+    proc, base = start_server(model, *args, fake=fake, timeout=timeout)
+    try:
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        proc.stdout.close()
+        stop_server(proc)
 
 
 def dsml_call(name: str, params: dict, *, prefix: str = "") -> str:
@@ -95,7 +105,7 @@ class FakeSession:
         rng = np.random.default_rng(self.pos * 1_000_003 + (self.tokens[-1] if self.tokens else 0))
         return rng.standard_normal(self.vocab).astype(np.float32) * 3
 
-    def prefill(self, tokens) -> np.ndarray:
+    def prefill(self, tokens, should_stop=None) -> np.ndarray:
         self.tokens.extend(int(t) for t in tokens)
         self.logits = self._logits()
         return self.logits

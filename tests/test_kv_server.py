@@ -9,6 +9,7 @@ computes the same request from scratch: greedy output is identical token for tok
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import httpx
@@ -19,7 +20,7 @@ from ds4_mlx.chat import render_chat
 from ds4_mlx.kvstore import KVHeader, cache_name, read_kv_file
 from ds4_mlx.server.app import ServerConfig
 from ds4_mlx.server.openai import parse_chat
-from server_util import running_server
+from server_util import running_server, start_server
 
 WORDS = " ".join(f"w{i}" for i in range(30))
 P1 = [{"role": "system", "content": "You are terse. " + WORDS}, {"role": "user", "content": "hello there"}]
@@ -86,6 +87,8 @@ def test_restart_resumes_from_disk(tiny_gguf, tmp_path):
         assert st["prefill_tokens_computed"] == r2["usage"]["prompt_tokens"] - cold_at
         assert st["last_decisions"][-1]["reason"].startswith(f"disk hit at {cold_at} tokens")
         assert st["disk"]["bytes_read"] > 0 and st["disk"]["skipped"]
+        assert {"file": cache_name(bad_text), "reason": st["disk"]["last_skips"][0]["reason"]} in st["disk"]["last_skips"]
+        assert "payload magic" in st["disk"]["last_skips"][0]["reason"]
         assert st["disk"]["saves"].get("continued") == 1  # at 96 = 3 x 32 live tokens
         # Anthropic usage reports the reused tokens as cache reads
         a = httpx.post(base + "/v1/messages", timeout=120, json={
@@ -148,3 +151,25 @@ def test_tool_id_map_survives_restart(tiny_gguf, tmp_path):
     live = r1["usage"]["prompt_tokens"] + r1["usage"]["completion_tokens"]
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == live
     assert st["hits"] == {"disk-text": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_after_a_request_exits_cleanly_with_the_shutdown_save(tiny_gguf, tmp_path, sig):
+    """Ctrl+C (or SIGTERM) after serving a request on the real model: exit status 0, no C++ abort ("terminate
+    called without an active exception", status 134, when MLX finalized the worker thread's arrays at exit), and
+    the live session saved on the way out."""
+    d = tmp_path / "kv"
+    proc, base = start_server(tiny_gguf(), "--kv-disk-dir", str(d), *KV, "--kv-cache-cold-max-tokens", "0")
+    try:
+        r = chat(base, P1, 3)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
+    assert b"terminate called" not in out
+    live = r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"]
+    assert reasons(d) == {"shutdown": [live]}

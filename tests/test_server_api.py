@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import anthropic
 import httpx
@@ -166,7 +167,7 @@ def test_anthropic_raw_event_order(base):
     body = {"model": "deepseek-v4-flash", "max_tokens": 400, "stream": True,
             "messages": [{"role": "user", "content": "x"}], "tools": [ANTH_TOOL]}
     r = httpx.post(base + "/v1/messages?beta=true", json=body, headers=force("r</think>text" + CALL), timeout=30)
-    ev = [(n, json.loads(d)) for n, d in sse_events(r.content) if n != "#"]
+    ev = [(n, json.loads(d)) for n, d in sse_events(r.content) if n not in ("#", "ping")]
     assert all(n == d["type"] for n, d in ev)
     names = [n for n, _ in ev]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
@@ -316,7 +317,10 @@ def test_bad_input(base, path):
 def test_unknown_endpoint_and_models(base):
     r = httpx.get(base + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["message"] == "unknown endpoint"
-    assert httpx.get(base + "/v1/chat/completions").status_code == 404
+    r = httpx.get(base + "/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and "not allowed" in r.json()["error"]["message"]
+    r = httpx.delete(base + "/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error"
     models = httpx.get(base + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "deepseek-v4-flash"
     assert models["data"][0]["context_length"] == 4096
@@ -342,3 +346,52 @@ def test_api_key_and_cors(tiny_gguf):
         r = httpx.options(url + "/v1/chat/completions")
         assert r.status_code == 204 and r.headers["access-control-allow-methods"] == "GET, POST, OPTIONS"
         assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+# -- keepalives ----------------------------------------------------------------------------------------------------
+KEEPALIVE_BODIES = {  # path -> (body, how a keepalive event of that API looks)
+    "/v1/chat/completions": ({"model": "deepseek-chat", "messages": [{"role": "user", "content": "x"}]},
+                             lambda name, d: d.get("choices") and d["choices"][0]["delta"] == {}),
+    "/v1/completions": ({"model": "deepseek-chat", "prompt": "x"},
+                        lambda name, d: d.get("choices") and d["choices"][0]["text"] == ""),
+    "/v1/responses": ({"model": "deepseek-chat", "input": "x"},
+                      lambda name, d: d["type"] == "response.in_progress"),
+    "/v1/messages": ({"model": "deepseek-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 50},
+                     lambda name, d: name == "ping" and d == {"type": "ping"}),
+}
+
+
+@pytest.mark.parametrize("path", list(KEEPALIVE_BODIES))
+def test_long_prefill_sends_an_event_every_keepalive(base, path):
+    """During a slow prefill (2 s, keepalive 0.5 s) a data event of the API's own kind — not an SSE comment,
+    which Codex does not count — arrives at least every keepalive interval, from the first byte to the end."""
+    body, is_keepalive = KEEPALIVE_BODIES[path]
+    t0 = time.monotonic()
+    stamps, frames = [], []
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=30,
+                      headers={"X-DS4-Test-Prefill-Delay": "2.0", **force("done")}) as r:
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                stamps.append(time.monotonic() - t0)
+                frames.append((name, json.loads(line[6:])))
+                name = None
+    assert stamps[0] < 0.4  # an event as soon as the stream opens
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert stamps[-1] > 2.0 and max(gaps) < 0.5 + 0.35, gaps
+    assert sum(1 for f in frames if is_keepalive(*f)) >= 3
+
+
+def test_thinking_keeps_an_explicit_temperature(base):
+    """temperature 0 stays greedy through the reasoning: unseeded thinking runs agree; without it they differ."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+
+    def run(**kw) -> str:
+        r = client.chat.completions.create(model="deepseek-reasoner", messages=[{"role": "user", "content": "t"}],
+                                           max_tokens=12, **kw)
+        return (getattr(r.choices[0].message, "reasoning_content", None) or "") + r.choices[0].message.content
+
+    assert len({run(temperature=0) for _ in range(3)}) == 1
+    assert len({run() for _ in range(3)}) > 1  # ds4's thinking knobs (temperature 1) fill the omitted one

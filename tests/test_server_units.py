@@ -82,11 +82,11 @@ def test_resolve_thinking():
     assert resolve_thinking("deepseek-chat", 32768, thinking={"type": "enabled"}) is ThinkMode.HIGH
     assert resolve_thinking("deepseek-v4-flash", 32768, thinking={"type": "adaptive"}) is ThinkMode.HIGH
     assert resolve_thinking("deepseek-v4-flash", 32768, think=False) is ThinkMode.NONE
-    assert resolve_thinking("deepseek-v4-flash", 32768, efforts=("none",)) is ThinkMode.NONE
-    assert resolve_thinking("deepseek-v4-flash", 32768, efforts=("max",)) is ThinkMode.HIGH  # ctx gate
-    assert resolve_thinking("deepseek-v4-flash", 400000, efforts=("max",)) is ThinkMode.MAX
+    assert resolve_thinking("deepseek-v4-flash", 32768, efforts={"reasoning_effort": "none"}) is ThinkMode.NONE
+    assert resolve_thinking("deepseek-v4-flash", 32768, efforts={"reasoning_effort": "max"}) is ThinkMode.HIGH  # ctx gate
+    assert resolve_thinking("deepseek-v4-flash", 400000, efforts={"reasoning_effort": "max"}) is ThinkMode.MAX
     with pytest.raises(APIError):
-        resolve_thinking("deepseek-v4-flash", 32768, efforts=("extreme",))
+        resolve_thinking("deepseek-v4-flash", 32768, efforts={"reasoning_effort": "extreme"})
 
 
 def test_model_loader_reserves_the_context(tiny_gguf):
@@ -100,3 +100,58 @@ def test_model_loader_reserves_the_context(tiny_gguf):
     session.prefill(list(range(5, 41)))
     caches = [c for c in session.caches if c.ratio]
     assert caches and all(c.n_comp > 0 and c.comp.shape[0] == -(-ctx // c.ratio) for c in caches)
+
+
+def test_thinking_fills_only_the_knobs_the_client_left_out():
+    """§3 as ds4 now does it: in thinking mode the client's explicit knobs win (temperature 0 stays greedy through
+    the reasoning); ds4's fixed thinking defaults fill the omitted ones; DSML structure is greedy either way."""
+    from ds4_mlx.sampling import THINKING_PARAMS, SamplingParams, server_params
+    from ds4_mlx.server.common import sampling_of
+    from ds4_mlx.server.worker import GenParams
+
+    server_defaults = GenParams(temperature=0.6, top_p=0.9, top_k=40, min_p=0.1)  # serve --temp ... (non-thinking)
+    p = sampling_of({"temperature": 0, "top_k": 7}, server_defaults)
+    assert p.explicit == {"temperature", "top_k"} and (p.temperature, p.top_k, p.top_p) == (0.0, 7, 0.9)
+    client = SamplingParams(p.temperature, p.top_p, p.top_k, p.min_p)
+    assert server_params(client, thinking=True, explicit=p.explicit) == SamplingParams(0.0, 1.0, 7, 0.05)
+    assert server_params(client, thinking=True) == THINKING_PARAMS
+    assert server_params(client, thinking=False, explicit=p.explicit) == client
+    assert server_params(client, thinking=True, dsml_structure=True, explicit=p.explicit).temperature == 0.0
+    assert sampling_of({"temperature": None}, server_defaults).explicit == frozenset()
+
+
+def test_trace_file_is_private(tmp_path):
+    """The --trace log holds every prompt: created 0600, and an existing file is narrowed to 0600."""
+    import os
+    import stat
+
+    from ds4_mlx.server.cli import _tracer
+
+    new = tmp_path / "new.log"
+    _tracer(new)("hello")
+    assert stat.S_IMODE(new.stat().st_mode) == 0o600 and "hello" in new.read_text()
+    old = tmp_path / "old.log"
+    old.write_text("before\n")
+    os.chmod(old, 0o644)
+    _tracer(old)("after")
+    assert stat.S_IMODE(old.stat().st_mode) == 0o600 and old.read_text().startswith("before\n")
+
+
+def test_api_key_checks(monkeypatch):
+    """Bearer or x-api-key, compared in constant time; the key can come from DS4_MLX_API_KEY."""
+    import hmac
+    import inspect
+
+    from ds4_mlx.server import app
+    from ds4_mlx.server.cli import serve
+
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(app.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    match = lambda headers: any(app._key_matches("s3cret", k) for k in app._sent_keys(headers))  # noqa: E731
+    assert match({b"authorization": b"Bearer s3cret"}) and match({b"authorization": b"bearer s3cret"})
+    assert match({b"x-api-key": b"s3cret"}) and match({b"x-api-key": b"no", b"authorization": b"Bearer s3cret"})
+    assert not match({b"authorization": b"Bearer s3cre"}) and not match({b"authorization": b"s3cret"})
+    assert not match({b"x-api-key": b"s3cret\xff"}) and not match({})
+    assert calls and all(a == b"s3cret" for a, _ in calls)
+    assert inspect.signature(serve).parameters["api_key"].default.envvar == "DS4_MLX_API_KEY"

@@ -25,6 +25,10 @@ from .moe import MoE
 COMPILE_DECODE = os.environ.get("DS4_MLX_COMPILE", "1").strip() != "0"
 
 
+class PrefillCancelled(Exception):
+    """Raised by :meth:`Model.__call__` between two layers when its ``should_stop`` callable returns true."""
+
+
 class Block:
     """One transformer layer: attention and MoE sublayers, each wrapped in HC pre/post."""
 
@@ -149,11 +153,14 @@ class Model:
         caches: list[LayerCache],
         *,
         all_logits: bool = False,
+        should_stop: Callable[[], bool] | None = None,
     ) -> mx.array:
         """Run ``tokens [T]`` at positions ``pos..pos+T-1``, updating ``caches`` in place.
 
         Returns the next-token logits of the last token ``[V]`` (f32), or ``[T, V]`` for every
-        position with ``all_logits=True``.
+        position with ``all_logits=True``. ``should_stop`` (several tokens only): checked after each layer,
+        whose state is then evaluated; when it returns true, :class:`PrefillCancelled` is raised and ``caches``
+        are left part-way (the caller rolls them back, as ``Session.prefill`` does).
         """
         tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
         S = self.embed(tokens)
@@ -165,6 +172,8 @@ class Model:
             return logits if all_logits else logits[0]
         for layer, cache in zip(self.layers, caches, strict=True):
             S = layer(S, tokens, pos, cache)
-            if tokens.shape[0] >= self.eval_layers_from:
+            if tokens.shape[0] >= self.eval_layers_from or should_stop is not None:
                 mx.eval(S)
+            if should_stop is not None and should_stop():
+                raise PrefillCancelled(f"prefill stopped after layer {layer.il} of {len(self.layers)}")
         return self.head(S) if all_logits else self.head(S[-1:])[0]

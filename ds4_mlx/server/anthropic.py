@@ -7,7 +7,7 @@ from typing import Any
 
 from ..chat import Message, ToolCall
 from ..dsml import esc_result
-from .common import (APIError, ChatRequest, Outcome, bad_json, check_model, compact, field_of, max_tokens_of,
+from .common import (APIError, ChatRequest, Outcome, check_model, compact, expect, field_of, invalid, max_tokens_of,
                      resolve_thinking, sampling_of, stop_of, text_of)
 from .sse import Reasoning, Streamer, Text, ToolArgs, ToolEnd, ToolStart, sse
 
@@ -15,16 +15,12 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 
 def _system(raw: Any) -> str | None:
-    if raw is None:
+    if expect(raw, (str, list, type(None)), "system") is None:
         return None
-    parts = [raw] if isinstance(raw, str) else raw
-    if not isinstance(parts, list):
-        raise bad_json()
     out = ""
-    for p in parts:
-        text = p if isinstance(p, str) else p.get("text") if isinstance(p, dict) else None
-        if not isinstance(text, str):
-            raise bad_json()
+    for i, p in enumerate([raw] if isinstance(raw, str) else raw):
+        at = f"system[{i}]"
+        text = p if isinstance(expect(p, (str, dict), at), str) else expect(p.get("text"), str, at + ".text")
         if text.startswith("x-anthropic-"):  # billing headers some clients put in the system blocks
             continue
         if out and not out.endswith("\n"):
@@ -33,63 +29,63 @@ def _system(raw: Any) -> str | None:
     return out
 
 
-def _message(m: Any) -> Message:
-    if not isinstance(m, dict):
-        raise bad_json()
-    role = m.get("role") or "user"
-    if not isinstance(role, str):
-        raise bad_json()
-    content = m.get("content")
-    msg = Message(role=role)
-    if content is None or isinstance(content, str):
+def _string(b: dict, key: str, at: str) -> str:
+    return expect(b.get(key), (str, type(None)), f"{at}.{key}") or ""
+
+
+def _message(m: Any, at: str) -> Message:
+    expect(m, dict, at)
+    msg = Message(role=expect(m.get("role"), (str, type(None)), at + ".role") or "user")
+    content = expect(m.get("content"), (str, list, type(None)), at + ".content")
+    if not isinstance(content, list):
         msg.content = content or ""
         return msg
-    if not isinstance(content, list):
-        raise bad_json()
-    for b in content:
-        if isinstance(b, str):
+    for i, b in enumerate(content):
+        bat = f"{at}.content[{i}]"
+        if isinstance(expect(b, (str, dict), bat), str):
             msg.content += b
             continue
-        if not isinstance(b, dict):
-            raise bad_json()
         t = b.get("type")
         if t == "text":
-            msg.content += b.get("text") or ""
+            msg.content += _string(b, "text", bat)
         elif t == "thinking":
-            msg.reasoning = (msg.reasoning or "") + (b.get("thinking") or "")
+            msg.reasoning = (msg.reasoning or "") + _string(b, "thinking", bat)
         elif t == "tool_use":
             inp = b.get("input")
-            msg.calls.append(ToolCall(str(b.get("id") or ""), str(b.get("name") or ""),
+            msg.calls.append(ToolCall(_string(b, "id", bat), _string(b, "name", bat),
                                       compact(inp) if inp is not None else "{}"))
         elif t == "tool_result":
-            msg.content += "<tool_result>" + esc_result(text_of(b.get("content"))) + "</tool_result>"
-            if isinstance(b.get("tool_use_id"), str):
+            msg.content += "<tool_result>" + esc_result(text_of(b.get("content"), bat + ".content")) + "</tool_result>"
+            if _string(b, "tool_use_id", bat):
                 msg.tool_call_ids.append(b["tool_use_id"])
+        # other blocks (images, documents, redacted thinking, server tools) carry nothing ds4 renders
     return msg
 
 
 def parse_messages(body: dict, cfg) -> ChatRequest:
     model = check_model(body, cfg.any_model)
     raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
+    if raw is None:
         raise APIError(400, "missing messages", param="messages")
-    messages = [_message(m) for m in raw]
+    if not expect(raw, list, "messages"):
+        raise invalid("messages", "must not be empty")
+    messages = [_message(m, f"messages[{i}]") for i, m in enumerate(raw)]
     system = _system(body.get("system"))
     if system is not None:
         messages.append(Message(role="system", content=system))
-    oc = body.get("output_config") if isinstance(body.get("output_config"), dict) else {}
+    oc = field_of(body, "output_config", dict, {})
     mode = resolve_thinking(model, cfg.ctx, thinking=body.get("thinking"), think=body.get("think"),
-                            efforts=(oc.get("effort"), body.get("reasoning_effort")), default=cfg.default_mode)
+                            efforts={"output_config.effort": oc.get("effort"),
+                                     "reasoning_effort": body.get("reasoning_effort")}, default=cfg.default_mode)
     params = sampling_of(body, cfg.sampling, min_p_seed=False)
     params.max_tokens = max_tokens_of(body, "max_tokens")
     params.stop = stop_of(body, "stop_sequences")
-    tools = body.get("tools") or []
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise bad_json()
-    tc = body.get("tool_choice")
-    tool_choice = "none" if isinstance(tc, dict) and tc.get("type") == "none" else None
+    tools = field_of(body, "tools", list, [])
+    for i, t in enumerate(tools):
+        expect(t, dict, f"tools[{i}]")
+    tc = field_of(body, "tool_choice", dict, {})
     return ChatRequest("anthropic", model, messages, mode, params, stream=field_of(body, "stream", bool, False),
-                       tools=[compact(t) for t in tools], tool_choice=tool_choice)
+                       tools=[compact(t) for t in tools], tool_choice="none" if tc.get("type") == "none" else None)
 
 
 def usage(P: int, R: int, C: int) -> dict:
@@ -115,9 +111,17 @@ def message_response(req: ChatRequest, oc: Outcome, mid: str) -> dict:
             "usage": usage(oc.prompt_tokens, oc.cached_tokens, oc.completion_tokens)}
 
 
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 5xx are api_error
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error"}
+
+
 def error_body(status: int, message: str, type: str = "invalid_request_error", **extra) -> dict:
-    if status == 404 and type == "invalid_request_error" and "model" in message:
-        type = "not_found_error"
+    """``{"type": "error", "error": {...}}`` with Anthropic's error type for ``status``; OpenAI's ``param`` and
+    ``code`` are not part of that shape (the message names the field)."""
+    if type in ("invalid_request_error", "server_error"):
+        type = "api_error" if status >= 500 else _ERROR_TYPES.get(status, "invalid_request_error")
+    extra = {k: v for k, v in extra.items() if k not in ("param", "code")}
     return {"type": "error", "error": {"type": type, "message": message, **extra}}
 
 
@@ -128,11 +132,14 @@ class MessageStream(Streamer):
         super().__init__(req, memory=memory)
         self.mid = mid
         self.index = -1
-        self.open: str | None = None  # type of the open content block
+        self.open_block: str | None = None  # type of the open content block
         self.sent_thinking = self.sent_text = self.sent_tools = False
 
     def event(self, name: str, data: dict) -> bytes:
         return sse({"type": name, **data}, event=name)
+
+    def keepalive(self) -> bytes:
+        return self.event("ping", {})  # what Anthropic's API sends; the SDKs skip it wherever it comes
 
     def start(self, info: dict) -> bytes:
         super().start(info)
@@ -142,32 +149,32 @@ class MessageStream(Streamer):
             "usage": usage(info["prompt_tokens"], info["cached_tokens"], 0)}})
 
     def _close(self) -> bytes:
-        if self.open is None:
+        if self.open_block is None:
             return b""
         out = b""
-        if self.open == "thinking":
+        if self.open_block == "thinking":
             out += self.event("content_block_delta", {"index": self.index,
                                                       "delta": {"type": "signature_delta", "signature": self.mid}})
-        self.open = None
+        self.open_block = None
         return out + self.event("content_block_stop", {"index": self.index})
 
     def _open(self, block: dict) -> bytes:
         out = self._close()
         self.index += 1
-        self.open = block["type"]
+        self.open_block = block["type"]
         return out + self.event("content_block_start", {"index": self.index, "content_block": block})
 
     def emit(self, events: list) -> bytes:
         out = []
         for e in events:
             if isinstance(e, Reasoning):
-                if self.open != "thinking":
+                if self.open_block != "thinking":
                     out.append(self._open({"type": "thinking", "thinking": "", "signature": ""}))
                 self.sent_thinking = True
                 out.append(self.event("content_block_delta", {"index": self.index,
                                                               "delta": {"type": "thinking_delta", "thinking": e.text}}))
             elif isinstance(e, Text):
-                if self.open != "text":
+                if self.open_block != "text":
                     out.append(self._open({"type": "text", "text": ""}))
                 self.sent_text = True
                 out.append(self.event("content_block_delta", {"index": self.index,

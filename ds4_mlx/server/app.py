@@ -2,8 +2,10 @@
 
 Each POST is parsed and rendered by its API module, tokenized off the event loop, checked against the context,
 then handed to the single :class:`~ds4_mlx.server.worker.Worker` as a :class:`Job`. Streaming answers are SSE
-with a keepalive comment whenever nothing was written for ``keepalive`` seconds (long prefills included);
-a client that goes away cancels its job, which frees the worker at the next token or prefill chunk.
+that start with an event at once and send a keepalive *event* of their API (a chat chunk with an empty delta, a
+Responses ``response.in_progress``, an Anthropic ``ping``) whenever nothing was written for ``keepalive`` seconds:
+agent clients such as Codex count only events as activity, and a cold prefill can take minutes. A client that
+goes away cancels its job, which frees the worker within a layer of the prefill or at the next token.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import hmac
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,18 +24,19 @@ from typing import Any, Callable
 
 import anyio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..chat import ThinkMode, render_chat, render_completion
 from . import anthropic, bindings, openai, responses
-from .common import MODEL_ALIASES, MODEL_ID, APIError, ChatRequest, ToolMemory, new_id, outcome
+from .common import DEFAULT_MAX_BODY_MB, MODEL_ALIASES, MODEL_ID, APIError, ChatRequest, ToolMemory, new_id, outcome
 from .openapi import openapi_document
-from .sse import comment
 from .worker import GenParams, Job, Worker
 
 MODEL_CREATED = 1767225600
+MAX_JSON_DEPTH = 256  # ds4's JSON nesting limit (SERVING.md §4.3)
 TEST_HOOKS_ENV = "DS4_MLX_TEST_HOOKS"  # enables the X-DS4-Test-* request headers (tests only)
 
 
@@ -44,6 +49,7 @@ class ServerConfig:
     api_key: str | None = None
     cors: bool = False
     keepalive: float = 5.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_MB << 20
     any_model: bool = False
     tool_memory_max_ids: int = 100_000
     test_hooks: bool = field(default_factory=lambda: os.environ.get(TEST_HOOKS_ENV) == "1")
@@ -59,11 +65,56 @@ def _model_object(cfg: ServerConfig, model_id: str = MODEL_ID) -> dict:
 
 
 def error_response(kind: str, status: int, message: str, type: str = "invalid_request_error",
-                   **extra: Any) -> JSONResponse:
+                   headers: dict | None = None, **extra: Any) -> JSONResponse:
     """§4.8 shapes: OpenAI ``{"error": {...}}``; Anthropic ``{"type": "error", "error": {...}}``."""
     if kind == "anthropic":
-        return JSONResponse(anthropic.error_body(status, message, type, **extra), status_code=status)
-    return JSONResponse({"error": {"message": message, "type": type, **extra}}, status_code=status)
+        return JSONResponse(anthropic.error_body(status, message, type, **extra), status_code=status, headers=headers)
+    return JSONResponse({"error": {"message": message, "type": type, **extra}}, status_code=status, headers=headers)
+
+
+def kind_of(path: str) -> str:
+    """Which API's error shape a path answers in."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return v
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of parsed JSON, walked without recursion; stops counting past :data:`MAX_JSON_DEPTH`."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo and deepest <= MAX_JSON_DEPTH:
+        o, d = todo.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            todo.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object: strict JSON (no NaN/Infinity, finite numbers), nested at most
+    :data:`MAX_JSON_DEPTH` levels (deeper input would exhaust Python's recursion in the parser or later in
+    ``json.dumps``); anything else is a 400."""
+    too_deep = APIError(400, f"invalid JSON request: nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise too_deep from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"invalid JSON request: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "invalid JSON request: the body must be a JSON object")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth(body) > MAX_JSON_DEPTH:
+        raise too_deep
+    return body
 
 
 class SSEResponse(StreamingResponse):
@@ -100,14 +151,19 @@ class Server:
 
     # -- helpers ---------------------------------------------------------------------------------------------
     async def _body(self, request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise APIError(400, "invalid JSON request")
-        if not isinstance(body, dict):
-            raise APIError(400, "invalid JSON request")
-        return body
+        """The JSON body, refused with 413 once it passes ``--max-body-mb`` (before it is parsed or tokenized)."""
+        limit = self.cfg.max_body_bytes
+        too_large = APIError(413, f"request body larger than {limit} bytes (serve --max-body-mb)")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_large
+            chunks.append(chunk)
+        return parse_body(b"".join(chunks))
 
     async def _ready(self) -> None:
         while not self.worker.ready.is_set():
@@ -160,7 +216,7 @@ class Server:
     async def openapi(self, request: Request) -> Response:
         from .. import __version__
 
-        return JSONResponse(openapi_document(__version__))
+        return JSONResponse(openapi_document(__version__, any_model=self.cfg.any_model))
 
     async def count_tokens(self, request: Request) -> Response:
         try:
@@ -273,8 +329,7 @@ class Server:
             st = responses.ResponseStream(req, memory=self.memory)
         keepalive = self.cfg.keepalive
         last = time.monotonic()
-        phase = "queued"
-        yield comment("ds4-mlx")  # headers and a first byte right away: clients' idle timers start now
+        yield st.open()  # headers and a first event right away: clients' idle timers start now
         while True:
             try:
                 if first is not None:
@@ -282,18 +337,16 @@ class Server:
                 else:
                     ev = await asyncio.wait_for(job.events.get(),
                                                 timeout=max(0.01, keepalive - (time.monotonic() - last)))
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # queued, prefilling, or text held back: an event the client counts
                 last = time.monotonic()
-                yield comment(phase if phase in ("queued", "prefill") else "keepalive")
+                yield st.keepalive()
                 continue
             out = b""
             if ev[0] == "start":
-                phase = "prefill"
                 out = st.start(ev[1])
             elif ev[0] == "prefill":
                 continue
             elif ev[0] == "text":
-                phase = "decode"
                 out = st.text(ev[1])
             elif ev[0] == "done":
                 out = st.done(ev[1])
@@ -307,6 +360,17 @@ class Server:
             if out:
                 last = time.monotonic()
                 yield out
+
+
+def _sent_keys(headers: dict[bytes, bytes]) -> list[bytes]:
+    """The keys a request offers: ``Authorization: Bearer KEY`` and ``x-api-key: KEY``."""
+    auth = headers.get(b"authorization", b"")
+    keys = [headers[b"x-api-key"]] if b"x-api-key" in headers else []
+    return keys + ([auth[7:]] if auth[:7].lower() == b"bearer " else [])
+
+
+def _key_matches(key: str, sent: bytes) -> bool:
+    return hmac.compare_digest(key.encode(), sent)  # constant time: no timing oracle for the key's prefix
 
 
 def _asgi_wrap(app, cfg: ServerConfig):
@@ -329,11 +393,8 @@ def _asgi_wrap(app, cfg: ServerConfig):
             return
         if cfg.api_key and scope["path"] not in ("/health", "/openapi.json"):
             headers = dict(scope.get("headers") or [])
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            key = headers.get(b"x-api-key", b"").decode("latin-1")
-            if auth != f"Bearer {cfg.api_key}" and key != cfg.api_key:
-                kind = "anthropic" if scope["path"].startswith("/v1/messages") else "openai"
-                resp = error_response(kind, 401, "invalid or missing API key", "authentication_error")
+            if not any(_key_matches(cfg.api_key, sent) for sent in _sent_keys(headers)):
+                resp = error_response(kind_of(scope["path"]), 401, "invalid or missing API key", "authentication_error")
                 return await resp(scope, receive, send_cors)
         await app(scope, receive, send_cors)
 
@@ -350,12 +411,15 @@ def create_app(worker: Worker, cfg: ServerConfig, trace: Callable[[str], None] |
     srv = Server(worker, cfg, trace)
     worker.tool_memory = srv.memory
 
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return error_response("anthropic" if request.url.path.startswith("/v1/messages") else "openai",
-                              404, "unknown endpoint")
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = kind_of(request.url.path)
+        if exc.status_code == 405:  # a known route, another method
+            return error_response(kind, 405, f"method {request.method} not allowed on {request.url.path}",
+                                  headers=exc.headers)
+        return error_response(kind, 404, "unknown endpoint")
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        return error_response("openai", 500, f"internal error: {type(exc).__name__}", "server_error")
+        return error_response(kind_of(request.url.path), 500, f"internal error: {type(exc).__name__}", "server_error")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -382,6 +446,6 @@ def create_app(worker: Worker, cfg: ServerConfig, trace: Callable[[str], None] |
         Route("/v1/messages/count_tokens", srv.count_tokens, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={404: not_found, 405: not_found, Exception: server_error})
+                    exception_handlers={404: http_error, 405: http_error, Exception: server_error})
     app.state.server = srv
     return _asgi_wrap(app, cfg)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import threading
 import time
@@ -13,6 +15,7 @@ import typer
 from ..chat import ThinkMode
 from ..cli_common import check_sampling
 from ..kvstore import CachePolicy
+from .common import DEFAULT_MAX_BODY_MB
 from .worker import GenParams
 
 DEFAULT_MODEL = Path("ds4flash.gguf")
@@ -21,7 +24,9 @@ DEFAULT_MODEL = Path("ds4flash.gguf")
 def _tracer(path: Path | None) -> Callable[[str], None] | None:
     if path is None:
         return None
-    f = open(path, "a", encoding="utf-8", errors="replace")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # it holds every prompt: owner only
+    os.fchmod(fd, 0o600)
+    f = open(fd, "a", encoding="utf-8", errors="replace")
     lock = threading.Lock()
 
     def trace(s: str) -> None:
@@ -54,8 +59,11 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
                sampling: GenParams | None = None, api_key: str | None = None, cors: bool = False,
                trace: Path | None = None, keepalive: float = 5.0, any_model: bool = False,
                tool_memory_max_ids: int = 100_000, log_level: str = "warning", banner: str = "",
-               kv_dir: Path | None = None, kv_policy: CachePolicy | None = None) -> None:
-    """Start the worker (it loads the model in its own thread) and serve until interrupted."""
+               kv_dir: Path | None = None, kv_policy: CachePolicy | None = None,
+               max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
+    """Start the worker (it loads the model in its own thread) and serve until SIGINT or SIGTERM; return once the
+    worker has finished its job, written the shutdown save of the live session (§4.9) and exited. A second
+    signal while it finishes raises :class:`KeyboardInterrupt`."""
     import uvicorn
 
     from .app import ServerConfig, create_app
@@ -64,7 +72,7 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
     tracer = _tracer(trace)
     cfg = ServerConfig(ctx=ctx, default_max_tokens=default_max_tokens, default_mode=default_mode,
                        sampling=sampling or GenParams(), api_key=api_key, cors=cors, keepalive=keepalive,
-                       any_model=any_model, tool_memory_max_ids=tool_memory_max_ids)
+                       max_body_bytes=max_body_mb << 20, any_model=any_model, tool_memory_max_ids=tool_memory_max_ids)
     worker = Worker(load, ctx=ctx, default_max_tokens=default_max_tokens, trace=tracer,
                     kv_dir=str(kv_dir) if kv_dir else None, kv_policy=kv_policy)
     worker.start()
@@ -72,9 +80,24 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
     host = "127.0.0.1" if host == "localhost" else host
     kv = f", kv cache {kv_dir}" if kv_dir else ""
     print(f"ds4-mlx serve: http://{host}:{port}/v1 {banner}(ctx {ctx}{kv})", file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                  timeout_graceful_shutdown=3)).run()
-    worker.stop(timeout=30)  # the worker writes the shutdown save of the live session (§4.9) before it exits
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn shuts down gracefully on either signal, then raises it again: as KeyboardInterrupt for both
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                      timeout_graceful_shutdown=3)).run()
+    except KeyboardInterrupt:
+        pass
+    worker.stop(timeout=None)  # already stopped by the lifespan unless its save outlasted the lifespan's wait
+
+
+def _exit(code: int) -> None:
+    """Leave without running the interpreter's finalization: MLX aborts the process ("terminate called without
+    an active exception") when it frees, at exit, arrays and streams the worker thread made. Everything that
+    matters is done by now (worker joined, shutdown save written); flush what is buffered and go."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(
@@ -95,7 +118,9 @@ def serve(
     min_p: float = typer.Option(0.05, "--min-p", help="Default min-p."),
     think: str = typer.Option("high", "--think", help="Default thinking when a request does not say: "
                                                        "none, high or max."),
-    keepalive: float = typer.Option(5.0, "--keepalive", help="Seconds of silence before an SSE keepalive comment."),
+    keepalive: float = typer.Option(5.0, "--keepalive", help="Seconds of silence before an SSE keepalive event."),
+    max_body_mb: int = typer.Option(DEFAULT_MAX_BODY_MB, "--max-body-mb", min=1,
+                                    help="Largest request body in MiB (larger ones get 413 before any parsing)."),
     any_model: bool = typer.Option(False, "--any-model", help="Accept any model name (ds4 behaviour) instead of "
                                                               "answering 404 for unknown ones."),
     tool_memory_max_ids: int = typer.Option(100_000, "--tool-memory-max-ids",
@@ -152,11 +177,15 @@ def serve(
     except DS4FormatError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    run_server(model_loader(model, ctx), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
-               default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
-               cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,
-               tool_memory_max_ids=0 if disable_exact_dsml_tool_replay else tool_memory_max_ids,
-               banner=f"model {model} ", kv_dir=kv_disk_dir, kv_policy=kv_policy)
+    try:
+        run_server(model_loader(model, ctx), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
+                   default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
+                   cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,
+                   tool_memory_max_ids=0 if disable_exact_dsml_tool_replay else tool_memory_max_ids,
+                   banner=f"model {model} ", kv_dir=kv_disk_dir, kv_policy=kv_policy, max_body_mb=max_body_mb)
+    except KeyboardInterrupt:  # a second Ctrl+C while the worker was finishing: leave without waiting
+        _exit(130)
+    _exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,10 +4,11 @@ usage accounting (§4.7), tool ids and the exact-DSML replay map (§6.5)."""
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..chat import Message, ThinkMode, resolve_think_mode
@@ -15,6 +16,7 @@ from .worker import GenParams
 
 MODEL_ID = "deepseek-v4-flash"
 MODEL_ALIASES = {"deepseek-v4-flash": None, "deepseek-chat": False, "deepseek-reasoner": True}  # -> thinking
+DEFAULT_MAX_BODY_MB = 32  # Anthropic's own request limit: clients with screenshots in the history stay under it
 
 
 class APIError(Exception):
@@ -25,8 +27,40 @@ class APIError(Exception):
         self.status, self.message, self.type, self.extra = status, message, type, extra
 
 
-def bad_json() -> APIError:
-    return APIError(400, "invalid JSON request")
+def invalid(path: str, problem: str) -> APIError:
+    """A 400 that names the offending field: ``messages[0].content[1].text: expected a string``."""
+    return APIError(400, f"{path}: {problem}", param=path)
+
+
+_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", dict: "an object",
+          list: "an array", type(None): "null"}
+
+
+def expect(value: Any, types: type | tuple, path: str) -> Any:
+    """``value`` if it is one of ``types`` (a bool is never a number), else a 400 naming ``path``."""
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, types) and (bool in types or not isinstance(value, bool)):
+        return value
+    raise invalid(path, "expected " + " or ".join(_NAMES[t] for t in types))
+
+
+def number(value: Any, path: str) -> float:
+    """A finite JSON number as a float (ints too large for a float are out of range)."""
+    expect(value, (int, float), path)
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise invalid(path, "number out of range")
+    return v
+
+
+def integer(value: Any, path: str) -> int:
+    """A JSON integer (``3.0`` counts as 3)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return expect(value, int, path)
 
 
 @dataclass
@@ -58,25 +92,14 @@ class ChatRequest:
 
 
 # -- field access -------------------------------------------------------------------------------------------------
-_NUM = (int, float)
-
-
 def field_of(body: dict, key: str, types: type | tuple, default: Any = None) -> Any:
-    """``body[key]`` if present and of ``types`` (``null`` = unset); anything else -> 400 invalid JSON."""
+    """``body[key]`` if present and of ``types`` (``null`` = unset), else a 400 naming ``key``."""
     v = body.get(key)
     if v is None:
         return default
-    if types is _NUM or (isinstance(types, tuple) and float in types):
-        if isinstance(v, bool) or not isinstance(v, _NUM):
-            raise bad_json()
-        return v
-    if types is int and (isinstance(v, bool) or not isinstance(v, int)):
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        raise bad_json()
-    if not isinstance(v, types):
-        raise bad_json()
-    return v
+    if types is int:
+        return integer(v, key)
+    return expect(v, types, key)
 
 
 def check_model(body: dict, any_model: bool) -> str:
@@ -88,36 +111,42 @@ def check_model(body: dict, any_model: bool) -> str:
 
 
 def max_tokens_of(body: dict, *keys: str) -> int | None:
-    for k in keys:
-        v = field_of(body, k, int)
-        if v is not None:
-            if v <= 0:
-                raise APIError(400, f"{k} must be a positive integer", param=k)
-            return v
-    return None
+    """The first of ``keys`` that is set (each one that is set must be a positive integer)."""
+    values = [field_of(body, k, int) for k in keys]
+    for k, v in zip(keys, values):
+        if v is not None and v <= 0:
+            raise invalid(k, "must be a positive integer")
+    return next((v for v in values if v is not None), None)
 
 
 def stop_of(body: dict, key: str) -> list[str]:
-    v = body.get(key)
-    if v is None:
-        return []
-    if isinstance(v, str):
-        return [v] if v else []
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return [s for s in v if s]
-    raise bad_json()
+    v = expect(body.get(key), (str, list, type(None)), key)
+    if isinstance(v, list):  # (empty strings stop nothing)
+        return [s for i, s in enumerate(v) if expect(s, str, f"{key}[{i}]")]
+    return [v] if v else []
+
+
+# the knobs a client may set; SERVING.md §3 clamps out-of-range values, the server refuses them instead
+_RANGES = {"temperature": (lambda v: v >= 0, "must be ≥ 0"), "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+           "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1]"), "top_k": (lambda v: v >= 0, "must be ≥ 0")}
 
 
 def sampling_of(body: dict, defaults: GenParams, *, top_k: bool = True, min_p_seed: bool = True) -> GenParams:
-    p = GenParams(defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p, defaults.seed,
-                  defaults.max_tokens)
-    p.temperature = float(field_of(body, "temperature", _NUM, p.temperature))
-    p.top_p = float(field_of(body, "top_p", _NUM, p.top_p))
-    if top_k:
-        p.top_k = field_of(body, "top_k", int, p.top_k)
+    """The sampling knobs of ``body`` over ``defaults``; ``explicit`` records the ones the client set."""
+    p = replace(defaults, explicit=frozenset())
+    keys = ("temperature", "top_p") + (("top_k",) if top_k else ()) + (("min_p",) if min_p_seed else ())
+    for k in keys:
+        v = body.get(k)
+        if v is None:
+            continue
+        v = integer(v, k) if k == "top_k" else number(v, k)
+        ok, rule = _RANGES[k]
+        if not ok(v):
+            raise invalid(k, rule)
+        setattr(p, k, v)
+        p.explicit |= {k}
     if min_p_seed:
-        p.min_p = float(field_of(body, "min_p", _NUM, p.min_p))
-        seed = field_of(body, "seed", int, None)
+        seed = field_of(body, "seed", int)
         p.seed = seed if seed is not None else p.seed
     return p
 
@@ -127,28 +156,25 @@ _EFFORTS = {"max": ThinkMode.MAX, "xhigh": ThinkMode.HIGH, "high": ThinkMode.HIG
 
 
 def resolve_thinking(model: str, ctx: int, *, thinking: Any = None, think: Any = None,
-                     efforts: tuple = (), default: ThinkMode = ThinkMode.HIGH,
+                     efforts: dict[str, Any] | None = None, default: ThinkMode = ThinkMode.HIGH,
                      effort_is_explicit: bool = False) -> ThinkMode:
-    """§4.3: ``thinking`` (bool or ``{"type": "enabled"|"disabled"}``), ``think`` (bool), effort strings; with
-    no explicit switch the model alias decides; then the Think-Max context gate."""
+    """§4.3: ``thinking`` (bool or ``{"type": "enabled"|"disabled"}``), ``think`` (bool), effort strings (field
+    path -> value); with no explicit switch the model alias decides; then the Think-Max context gate."""
     enabled, effort, explicit = default.thinking, default if default.thinking else ThinkMode.HIGH, False
+    expect(thinking, (bool, dict, type(None)), "thinking")
     if isinstance(thinking, bool):
         enabled, explicit = thinking, True
     elif isinstance(thinking, dict):
         t = thinking.get("type")
         if t in ("enabled", "disabled"):
             enabled, explicit = t == "enabled", True
-    elif thinking is not None:
-        raise bad_json()
-    if think is not None:
-        if not isinstance(think, bool):
-            raise bad_json()
+    if expect(think, (bool, type(None)), "think") is not None:
         enabled, explicit = think, True
-    for e in efforts:
+    for path, e in (efforts or {}).items():
         if e is None:
             continue
-        if not isinstance(e, str) or e not in _EFFORTS:
-            raise bad_json()
+        if expect(e, str, path) not in _EFFORTS:
+            raise invalid(path, f"unknown effort {e!r}; use one of {', '.join(_EFFORTS)}")
         effort = _EFFORTS[e]
         if effort_is_explicit:
             explicit = True
@@ -159,26 +185,17 @@ def resolve_thinking(model: str, ctx: int, *, thinking: Any = None, think: Any =
     return resolve_think_mode(effort, ctx)
 
 
-def text_of(content: Any, *, keys: tuple = ("text",)) -> str:
-    """Chat content: string | null | array of strings / objects (only their ``text`` taken), concatenated."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if isinstance(part, str):
-                out.append(part)
-            elif isinstance(part, dict):
-                for k in keys:
-                    if isinstance(part.get(k), str):
-                        out.append(part[k])
-                        break
-        return "".join(out)
-    if isinstance(content, dict):
-        return text_of([content], keys=keys)
-    raise bad_json()
+def text_of(content: Any, path: str) -> str:
+    """Chat content at ``path``: string | null | object | array of strings and objects, concatenated; from an
+    object only a string ``text`` is taken (images and other parts carry none and are dropped)."""
+    parts = content if isinstance(content, list) else [expect(content, (str, dict, list, type(None)), path)]
+    out = []
+    for i, part in enumerate(parts):
+        where = f"{path}[{i}]" if isinstance(content, list) else path
+        if isinstance(expect(part, (str, dict, type(None)), where), dict):
+            part = expect(part.get("text"), (str, type(None)), where + ".text")
+        out.append(part or "")
+    return "".join(out)
 
 
 def compact(obj: Any) -> str:

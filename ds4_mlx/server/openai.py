@@ -6,97 +6,87 @@ from __future__ import annotations
 from typing import Any
 
 from ..chat import Message, ToolCall
-from .common import (APIError, ChatRequest, Outcome, bad_json, check_model, compact, field_of, max_tokens_of,
+from .common import (APIError, ChatRequest, Outcome, check_model, compact, expect, field_of, invalid, max_tokens_of,
                      resolve_thinking, sampling_of, stop_of, text_of, usage_openai)
 from .sse import Reasoning, Streamer, Text, ToolArgs, ToolStart, sse
 
 
 def _tools(body: dict) -> list[str]:
-    tools = body.get("tools")
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise bad_json()
     out = []
-    for t in tools:
-        if not isinstance(t, dict):
-            raise bad_json()
+    for i, t in enumerate(expect(body.get("tools"), (list, type(None)), "tools") or []):
+        expect(t, dict, f"tools[{i}]")
         fn = t.get("function") if t.get("type", "function") == "function" else None
         out.append(compact(fn if isinstance(fn, dict) else t))
     return out
 
 
 def _tool_choice(body: dict) -> str | None:
-    tc = body.get("tool_choice")
-    if tc is None:
-        return None
-    if isinstance(tc, str):
-        return tc
+    tc = expect(body.get("tool_choice"), (str, dict, type(None)), "tool_choice")
     if isinstance(tc, dict):
         return tc.get("type") if isinstance(tc.get("type"), str) else "function"
-    raise bad_json()
+    return tc
 
 
 def _messages(raw: Any) -> list[Message]:
-    if not isinstance(raw, list) or not raw:
+    if raw is None:
         raise APIError(400, "missing messages", param="messages")
+    if not expect(raw, list, "messages"):
+        raise invalid("messages", "must not be empty")
     out = []
-    for m in raw:
-        if not isinstance(m, dict):
-            raise bad_json()
-        role = m.get("role") or "user"
-        if not isinstance(role, str):
-            raise bad_json()
-        reasoning = m.get("reasoning_content", m.get("reasoning"))
-        msg = Message(role=role, content=text_of(m.get("content")),
-                      reasoning=text_of(reasoning) if reasoning is not None else None)
-        calls = m.get("tool_calls") or []
-        if not isinstance(calls, list):
-            raise bad_json()
-        for c in calls:
-            if not isinstance(c, dict):
-                raise bad_json()
-            fn = c.get("function") if isinstance(c.get("function"), dict) else {}
+    for i, m in enumerate(raw):
+        at = f"messages[{i}]"
+        expect(m, dict, at)
+        role = expect(m.get("role"), (str, type(None)), at + ".role") or "user"
+        reasoning = [text_of(m[k], f"{at}.{k}") for k in ("reasoning_content", "reasoning") if m.get(k) is not None]
+        msg = Message(role=role, content=text_of(m.get("content"), at + ".content"),
+                      reasoning=reasoning[0] if reasoning else None)
+        for j, c in enumerate(expect(m.get("tool_calls"), (list, type(None)), at + ".tool_calls") or []):
+            cat = f"{at}.tool_calls[{j}]"
+            expect(c, dict, cat)
+            cid = expect(c.get("id"), (str, type(None)), cat + ".id") or ""
+            fn = expect(c.get("function"), (dict, type(None)), cat + ".function") or {}
             name, args = fn.get("name"), fn.get("arguments")
             if not isinstance(name, str) or args is None:
                 continue  # entries lacking name or arguments are dropped (§4.4)
-            msg.calls.append(ToolCall(str(c.get("id") or ""), name, args if isinstance(args, str) else compact(args)))
-        tcid = m.get("tool_call_id")
-        if isinstance(tcid, str):
+            msg.calls.append(ToolCall(cid, name, args if isinstance(args, str) else compact(args)))
+        tcid = expect(m.get("tool_call_id"), (str, type(None)), at + ".tool_call_id")
+        if tcid:
             msg.tool_call_ids.append(tcid)
         out.append(msg)
     return out
+
+
+def _include_usage(body: dict) -> bool:
+    opts = field_of(body, "stream_options", dict, {})
+    return bool(expect(opts.get("include_usage"), (bool, type(None)), "stream_options.include_usage"))
 
 
 def parse_chat(body: dict, cfg) -> ChatRequest:
     model = check_model(body, cfg.any_model)
     messages = _messages(body.get("messages"))
     mode = resolve_thinking(model, cfg.ctx, thinking=body.get("thinking"), think=body.get("think"),
-                            efforts=(body.get("reasoning_effort"),), default=cfg.default_mode)
+                            efforts={"reasoning_effort": body.get("reasoning_effort")}, default=cfg.default_mode)
     params = sampling_of(body, cfg.sampling)
     params.max_tokens = max_tokens_of(body, "max_completion_tokens", "max_tokens")
     params.stop = stop_of(body, "stop")
-    opts = field_of(body, "stream_options", dict, {})
     return ChatRequest("chat", model, messages, mode, params, stream=field_of(body, "stream", bool, False),
-                       include_usage=bool(opts.get("include_usage")), tools=_tools(body),
-                       tool_choice=_tool_choice(body))
+                       include_usage=_include_usage(body), tools=_tools(body), tool_choice=_tool_choice(body))
 
 
 def parse_completion(body: dict, cfg) -> ChatRequest:
     model = check_model(body, cfg.any_model)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        prompt = next((p for p in prompt if isinstance(p, str)), None)
-    if not isinstance(prompt, str):
+    prompt = expect(body.get("prompt"), (str, list, type(None)), "prompt")
+    if isinstance(prompt, list):  # §4.4: the first of an array of strings (token-id prompts are not supported)
+        prompt = next(iter([expect(p, str, f"prompt[{i}]") for i, p in enumerate(prompt)]), None)
+    if prompt is None:
         raise APIError(400, "missing prompt", param="prompt")
     mode = resolve_thinking(model, cfg.ctx, thinking=body.get("thinking"), think=body.get("think"),
-                            efforts=(body.get("reasoning_effort"),), default=cfg.default_mode)
+                            efforts={"reasoning_effort": body.get("reasoning_effort")}, default=cfg.default_mode)
     params = sampling_of(body, cfg.sampling)
     params.max_tokens = max_tokens_of(body, "max_tokens")
     params.stop = stop_of(body, "stop")
-    opts = field_of(body, "stream_options", dict, {})
     return ChatRequest("completions", model, [], mode, params, stream=field_of(body, "stream", bool, False),
-                       include_usage=bool(opts.get("include_usage")), prompt=prompt, param="prompt")
+                       include_usage=_include_usage(body), prompt=prompt, param="prompt")
 
 
 # -- non-streaming -----------------------------------------------------------------------------------------------
@@ -128,9 +118,11 @@ class ChatStream(Streamer):
         return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.req.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
-    def start(self, info: dict) -> bytes:
-        super().start(info)
+    def open(self) -> bytes:
         return self.chunk({"role": "assistant"})
+
+    def keepalive(self) -> bytes:
+        return self.chunk({})  # an empty delta, like the final chunk's: every chat client takes it
 
     def emit(self, events: list) -> bytes:
         out = []
@@ -166,6 +158,9 @@ class CompletionStream(Streamer):
     def chunk(self, text: str, finish: str | None = None) -> bytes:
         return sse({"id": self.rid, "object": "text_completion", "created": self.created, "model": self.req.model,
                     "choices": [{"text": text, "index": 0, "finish_reason": finish}]})
+
+    def keepalive(self) -> bytes:
+        return self.chunk("")
 
     def text(self, t: str) -> bytes:
         return self.chunk(t) if t else b""

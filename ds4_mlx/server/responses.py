@@ -8,35 +8,46 @@ import time
 from typing import Any
 
 from ..chat import Message, ToolCall
-from .common import (APIError, ChatRequest, Outcome, bad_json, check_model, compact, field_of, max_tokens_of,
+from .common import (APIError, ChatRequest, Outcome, check_model, compact, expect, field_of, invalid, max_tokens_of,
                      new_id, resolve_thinking, sampling_of)
 from .sse import Reasoning, Streamer, Text, sse
 
-_TEXT_BLOCKS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
+_TEXT_BLOCKS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")  # a tuple: no hashing of "type"
 _HOSTED = {"local_shell_call": "local_shell", "web_search_call": "web_search", "tool_search_call": "tool_search",
            "image_generation_call": "image_generation"}
 
 
-def _block_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_json()
+def _block_text(content: Any, path: str) -> str:
+    """Message content: string | null | array of strings and typed text blocks (any other block -> 400)."""
+    if not isinstance(expect(content, (str, list, type(None)), path), list):
+        return content or ""
     out = []
-    for b in content:
-        if isinstance(b, str):
+    for i, b in enumerate(content):
+        at = f"{path}[{i}]"
+        if isinstance(expect(b, (str, dict), at), str):
             out.append(b)
-        elif isinstance(b, dict) and b.get("type") in _TEXT_BLOCKS:
-            out.append(b.get("text") or "")
+        elif b.get("type") in _TEXT_BLOCKS:
+            out.append(expect(b.get("text"), (str, type(None)), at + ".text") or "")
         else:
-            raise APIError(400, f"unsupported content block type {b.get('type') if isinstance(b, dict) else b!r}")
+            raise invalid(at + ".type", f"unsupported content block type {b.get('type')!r}")
     return "".join(out)
 
 
 def _raw_json(v: Any) -> str:
     return v if isinstance(v, str) else compact(v if v is not None else {})
+
+
+def _string(it: dict, key: str, at: str) -> str:
+    return expect(it.get(key), (str, type(None)), f"{at}.{key}") or ""
+
+
+def _reasoning_text(it: dict, at: str) -> str:
+    """A reasoning item's text: its summary parts, then its content parts, one per line."""
+    parts = []
+    for key in ("summary", "content"):
+        for i, part in enumerate(expect(it.get(key), (list, type(None)), f"{at}.{key}") or []):
+            parts.append(_string(expect(part, dict, f"{at}.{key}[{i}]"), "text", f"{at}.{key}[{i}]"))
+    return "\n".join(parts)
 
 
 def _items(items: list, messages: list[Message]) -> None:
@@ -48,32 +59,33 @@ def _items(items: list, messages: list[Message]) -> None:
             messages.append(Message(role="assistant", reasoning=held))
             held = None
 
-    for it in items:
-        if not isinstance(it, dict):
-            raise bad_json()
-        t = it.get("type") or ("message" if "role" in it else None)
+    for i, it in enumerate(items):
+        at = f"input[{i}]"
+        expect(it, dict, at)
+        t = expect(it.get("type"), (str, type(None)), at + ".type")
+        if t is None and "role" in it:
+            t = "message"
         status = it.get("status")
         if status is not None and status != "completed":
-            raise APIError(400, f"input item with status {status!r} is not supported")
+            raise invalid(at + ".status", f"input item with status {status!r} is not supported")
         if t == "message":
-            role = it.get("role") or "user"
+            role = _string(it, "role", at) or "user"
             if role not in ("user", "assistant", "system", "developer"):
-                raise bad_json()
-            m = Message(role=role, content=_block_text(it.get("content")))
+                raise invalid(at + ".role", f"unsupported role {role!r}")
+            m = Message(role=role, content=_block_text(it.get("content"), at + ".content"))
             if role == "assistant":
                 m.reasoning, held = held, None
             else:
                 flush_reasoning()
             messages.append(m)
         elif t in ("function_call", "custom_tool_call") or t in _HOSTED:
-            cid = str(it.get("call_id") or it.get("id") or "")
+            call_id, item_id, ns, name = (_string(it, k, at) for k in ("call_id", "id", "namespace", "name"))
+            cid = call_id or item_id
             if t in _HOSTED:
                 name = _HOSTED[t]
                 args = _raw_json(next((it[k] for k in ("action", "arguments", "input") if k in it), {}))
             else:
-                name = str(it.get("name") or "")
-                if isinstance(it.get("namespace"), str):
-                    name = it["namespace"] + name
+                name = ns + name
                 args = _raw_json(it.get("arguments", it.get("input")))
             call = ToolCall(cid, name, args)
             if messages and messages[-1].role == "assistant" and held is None:
@@ -84,38 +96,32 @@ def _items(items: list, messages: list[Message]) -> None:
         elif isinstance(t, str) and t.endswith("_output"):
             flush_reasoning()
             out = it.get("output")
-            text = out if isinstance(out, str) else _block_text(out) if isinstance(out, list) else _raw_json(out)
-            messages.append(Message(role="tool", content=text, tool_call_ids=[str(it.get("call_id") or "")]))
+            text = _block_text(out, at + ".output") if isinstance(out, (str, list)) else _raw_json(out)
+            messages.append(Message(role="tool", content=text, tool_call_ids=[_string(it, "call_id", at)]))
         elif t == "reasoning":
-            parts = [s.get("text") or "" for s in it.get("summary") or [] if isinstance(s, dict)]
-            parts += [c.get("text") or "" for c in it.get("content") or [] if isinstance(c, dict)]
-            held = (held + "\n" if held else "") + "\n".join(parts)
+            held = (held + "\n" if held else "") + _reasoning_text(it, at)
         elif t in ("compaction", "context_compaction"):
             continue
         else:
-            raise APIError(400, f"unsupported input item type {t!r}")
+            raise invalid(at + ".type", f"unsupported input item type {t!r}")
     flush_reasoning()
 
 
 def _tools(body: dict) -> tuple[list[str], dict]:
-    tools = body.get("tools") or []
-    if not isinstance(tools, list):
-        raise bad_json()
     schemas, wire = [], {}
-    for t in tools:
-        if not isinstance(t, dict):
-            raise bad_json()
-        kind = t.get("type")
+    for i, t in enumerate(field_of(body, "tools", list, [])):
+        at = f"tools[{i}]"
+        kind = expect(t, dict, at).get("type")
         if kind == "function":
             schemas.append(compact(t))
         elif kind == "namespace":
-            ns = str(t.get("name") or "")
-            for f in t.get("tools") or []:
-                if isinstance(f, dict):
-                    name = ns + str(f.get("name") or "")
-                    schemas.append(compact({"name": name, "description": f.get("description", ""),
-                                            "parameters": f.get("parameters", {})}))
-                    wire[name] = (str(f.get("name") or ""), ns)
+            ns = _string(t, "name", at)
+            for j, f in enumerate(expect(t.get("tools"), (list, type(None)), at + ".tools") or []):
+                fat = f"{at}.tools[{j}]"
+                name = ns + _string(expect(f, dict, fat), "name", fat)
+                schemas.append(compact({"name": name, "description": f.get("description", ""),
+                                        "parameters": f.get("parameters", {})}))
+                wire[name] = (_string(f, "name", fat), ns)
         elif kind == "tool_search":
             schemas.append(compact({"name": "tool_search", "description": t.get("description", "Search for tools"),
                                     "parameters": t.get("parameters", {"type": "object"})}))
@@ -127,31 +133,32 @@ def parse_responses(body: dict, cfg) -> ChatRequest:
     model = check_model(body, cfg.any_model)
     for key in ("previous_response_id", "conversation"):
         if body.get(key) is not None:
-            raise APIError(400, f"{key} is not supported; replay full input instead", param=key)
-    raw = body.get("input")
+            raise invalid(key, "not supported; replay the full input instead")
+    raw = expect(body.get("input"), (str, list, type(None)), "input")
     messages: list[Message] = []
     instructions = field_of(body, "instructions", str)
     if instructions:
         messages.append(Message(role="system", content=instructions))
     if isinstance(raw, str):
         messages.append(Message(role="user", content=raw))
-    elif isinstance(raw, list) and raw:
+    elif raw:
         _items(raw, messages)
     else:
         raise APIError(400, "missing input", param="input")
     reasoning = field_of(body, "reasoning", dict, {})
-    effort = reasoning.get("effort")
     mode = resolve_thinking(model, cfg.ctx, thinking=body.get("thinking"), think=body.get("think"),
-                            efforts=(effort,), default=cfg.default_mode, effort_is_explicit=True)
+                            efforts={"reasoning.effort": reasoning.get("effort")}, default=cfg.default_mode,
+                            effort_is_explicit=True)
+    summary = expect(reasoning.get("summary"), (str, type(None)), "reasoning.summary")
     params = sampling_of(body, cfg.sampling, top_k=False, min_p_seed=False)
     params.max_tokens = max_tokens_of(body, "max_output_tokens", "max_tokens")
     tc = body.get("tool_choice")
     if tc is not None and tc not in ("none", "auto"):
-        raise APIError(400, f"tool_choice={tc} not supported" if isinstance(tc, str)
-                       else "forced tool_choice not supported", param="tool_choice")
+        raise invalid("tool_choice", f"tool_choice={tc} is not supported (none, auto)" if isinstance(tc, str)
+                      else "forced tool_choice is not supported")
     schemas, wire = _tools(body)
     return ChatRequest("responses", model, messages, mode, params, stream=field_of(body, "stream", bool, False),
-                       tools=schemas, tool_choice=tc, summary=reasoning.get("summary") in ("auto", "concise", "detailed"),
+                       tools=schemas, tool_choice=tc, summary=summary in ("auto", "concise", "detailed"),
                        wire_names=wire, param="input")
 
 
@@ -229,9 +236,12 @@ class ResponseStream(Streamer):
         self.seq += 1
         return sse(ev)
 
-    def start(self, info: dict) -> bytes:
-        super().start(info)
-        return self.event("response.created", response=self.b.envelope("in_progress", []))
+    def open(self) -> bytes:
+        return self.event("response.created", response=self.b.envelope("in_progress", [])) + self.keepalive()
+
+    def keepalive(self) -> bytes:
+        # a lifecycle event with the same id and no output: the SDK's accumulator keeps the items it has
+        return self.event("response.in_progress", response=self.b.envelope("in_progress", []))
 
     def emit(self, events: list) -> bytes:
         out = []

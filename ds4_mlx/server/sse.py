@@ -249,7 +249,12 @@ class Streamer:
         self.usage = None  # the worker's "start" info
         self.outcome = None  # the final parse, once done
 
+    def open(self) -> bytes:
+        """The first event, sent as soon as the stream opens (before the job leaves the queue)."""
+        return self.keepalive()
+
     def start(self, info: dict) -> bytes:
+        """The worker took the job (``info``: prompt and cached token counts); prefill starts now."""
         self.usage = info
         return b""
 
@@ -289,6 +294,11 @@ class Streamer:
         return out + self.end(oc)
 
     # -- per API -------------------------------------------------------------------------------------------------
+    def keepalive(self) -> bytes:
+        """An event that carries nothing but that the API's clients count as activity (SSE comments are not:
+        Codex drops a Responses stream after 300 s without an event)."""
+        raise NotImplementedError
+
     def emit(self, events: list) -> bytes:
         raise NotImplementedError
 

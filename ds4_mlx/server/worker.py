@@ -8,8 +8,8 @@ objects in a FIFO queue and run one at a time, never interleaved. For each job t
    that needs one and finds none gets 409), then the live tokens as a token prefix of the fresh tokenization,
    else the thinking-visible binding (hidden reasoning kept in the KV), else the live text as a byte prefix of
    the rendered prompt (only the remaining bytes are tokenized), else a cold prefill;
-2. prefills the rest in chunks that end on absolute multiples of the chunk size, checking for a cancelled job
-   between chunks (the KV stays valid at every chunk boundary);
+2. prefills the rest in chunks that end on absolute multiples of the chunk size; a cancelled job (the client went
+   away) stops between two layers and the chunk in progress is undone, so the KV stays valid at a chunk boundary;
    With a disk cache (``--kv-disk-dir``) a miss first saves the live session (``evict``), then looks for the
    longest cached rendered-byte prefix on disk (§5.6); a cold prompt is saved at its stable prefix (``cold``),
    long prefills and generations at aligned frontiers (``continued``), the live session at exit (``shutdown``);
@@ -39,6 +39,7 @@ from ..generate import DEFAULT_LAG, decode_tokens
 from ..dsml import DSMLTracker, ToolCallDetector
 from ..tokenizer import EOS, THINK, THINK_END, StreamingDetokenizer
 from ..sampling import Sampler, SamplingParams, server_params
+from ..session import PrefillCancelled
 from ..dsml import DecodeState
 from ..kvstore import FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE, CachePolicy, DiskCache
 
@@ -85,6 +86,7 @@ class GenParams:
     seed: int | None = None
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
+    explicit: frozenset[str] = frozenset()  # the knobs the request set (they win in thinking mode too, §3)
 
 
 @dataclass
@@ -202,8 +204,8 @@ class Worker:
             self.load_error = f"{type(e).__name__}: {e}"
         if self.kv_dir and not self.load_error:
             try:
-                self.kv = DiskCache(self.kv_dir, self.session.model, ctx=self.ctx, chunk_size=self._chunk(),
-                                    policy=self.kv_policy, log=self.trace)
+                self.kv = DiskCache(self.kv_dir, self.session.model, ctx=self.ctx, policy=self.kv_policy,
+                                    log=self.trace)
                 self.trace(f"kv: disk cache {self.kv_dir}: {len(self.kv.entries())} files")
             except Exception as e:  # noqa: BLE001 - the server still serves without a disk cache
                 self.trace(f"kv: disk cache disabled: {type(e).__name__}: {e}")
@@ -423,7 +425,10 @@ class Worker:
                 end = min(end, (pos // step + 1) * step)
             if pos < cold_at < end:
                 end = cold_at
-            s.prefill(tokens[pos:end])
+            try:
+                s.prefill(tokens[pos:end], should_stop=job.cancelled.is_set)  # checked between layers
+            except PrefillCancelled:  # the session is back at `pos`, a chunk boundary
+                return False
             self.counters["prefill_tokens"] += end - pos
             pos = end
             if self.kv is not None:
@@ -483,9 +488,9 @@ class Worker:
         stop_hold = max((len(s) for s in p.stop), default=1) - 1
         raw, sent, n_gen, finish = "", 0, 0, None
 
-        def knobs() -> SamplingParams:  # §3: thinking ignores the client's knobs; §6.2: DSML structure is greedy
+        def knobs() -> SamplingParams:  # §3: thinking fills the knobs the client left out; §6.2: DSML structure is greedy
             greedy = tracker is not None and tracker.greedy
-            return server_params(client, thinking=job.mode.thinking, dsml_structure=greedy)
+            return server_params(client, thinking=job.mode.thinking, dsml_structure=greedy, explicit=p.explicit)
 
         while finish is None and n_gen < max_tokens:
             # Pipelined (generate.decode_tokens) until the answer ends or a continued save needs the session
