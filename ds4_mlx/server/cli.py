@@ -15,6 +15,7 @@ import typer
 from ..chat import ThinkMode
 from ..cli_common import check_sampling
 from ..kvstore import CachePolicy
+from ..session import DEFAULT_CHUNK
 from .common import DEFAULT_MAX_BODY_MB
 from .worker import GenParams
 
@@ -37,19 +38,24 @@ def _tracer(path: Path | None) -> Callable[[str], None] | None:
     return trace
 
 
-def model_loader(path: Path, ctx: int) -> Callable[[], tuple[Any, Any]]:
+def model_loader(path: Path, ctx: int, chunk: int | None = None,
+                 cache_limit_gb: float | None = None) -> Callable[[], tuple[Any, Any]]:  # fmt: skip
     """A loader for the worker thread: ``load(path)`` -> a live :class:`Session` and the tokenizer. The session's
     KV buffers are sized for ``ctx`` tokens, as ds4 sizes its KV for ``--ctx``: within the context they never
-    grow, so no generation stops for a buffer copy, a retrace and (on GPUs) kernel JITs at the new shapes."""
+    grow, so no generation stops for a buffer copy, a retrace and (on GPUs) kernel JITs at the new shapes.
+    ``chunk``: the prefill chunk (default the session's); MLX's buffer cache is limited for the model's size
+    (:func:`~ds4_mlx.memory.set_memory_limits`, ``cache_limit_gb`` to choose)."""
 
     def load():
         from ..loader import load as load_gguf
-        from ..session import Session
+        from ..memory import set_memory_limits
+        from ..session import DEFAULT_CHUNK, Session
 
         model, tokenizer = load_gguf(path)
         if tokenizer is None:
             raise RuntimeError(f"{path}: no usable tokenizer in the GGUF")
-        return Session(model, reserve=ctx), tokenizer
+        set_memory_limits(model.weights_bytes, cache_gb=cache_limit_gb)
+        return Session(model, chunk_size=chunk or DEFAULT_CHUNK, reserve=ctx), tokenizer
 
     return load
 
@@ -141,6 +147,9 @@ def serve(
                                                        help="Cold/continued saves align to this (0 = off)."),
     kv_cache_reject_different_quant: bool = typer.Option(False, "--kv-cache-reject-different-quant",
                                                          help="Only load files written with the same expert quant."),
+    prefill_chunk: int = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", help="Prompt tokens per model call (ds4's default too)."),
+    cache_limit_gb: Optional[float] = typer.Option(
+        None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."),
 ) -> None:
     """Serve the model over HTTP: OpenAI (chat, completions, responses) and Anthropic (messages) APIs."""
     if think not in ("none", "high", "max"):
@@ -151,6 +160,10 @@ def serve(
         raise typer.BadParameter(f"{port} is not a TCP port (0..65535)", param_hint="'--port'")
     if tokens < 1:
         raise typer.BadParameter(f"{tokens} is not a positive token count", param_hint="'-n' / '--tokens'")
+    if prefill_chunk < 1:
+        raise typer.BadParameter(f"{prefill_chunk} is not a positive token count", param_hint="'--prefill-chunk'")
+    if cache_limit_gb is not None and not cache_limit_gb >= 0:
+        raise typer.BadParameter(f"{cache_limit_gb} is not a size in GiB (>= 0)", param_hint="'--cache-limit-gb'")
     check_sampling(temp, top_p, top_k, min_p)
     kv_policy = CachePolicy(kv_disk_space_mb, kv_cache_min_tokens, kv_cache_cold_max_tokens,
                             kv_cache_continued_interval_tokens, kv_cache_boundary_trim_tokens,
@@ -178,7 +191,7 @@ def serve(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     try:
-        run_server(model_loader(model, ctx), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
+        run_server(model_loader(model, ctx, prefill_chunk, cache_limit_gb), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
                    default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
                    cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,
                    tool_memory_max_ids=0 if disable_exact_dsml_tool_replay else tool_memory_max_ids,

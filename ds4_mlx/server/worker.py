@@ -39,11 +39,10 @@ from ..generate import DEFAULT_LAG, decode_tokens
 from ..dsml import DSMLTracker, ToolCallDetector
 from ..tokenizer import EOS, THINK, THINK_END, StreamingDetokenizer
 from ..sampling import Sampler, SamplingParams, server_params
-from ..session import PrefillCancelled
+from ..session import DEFAULT_CHUNK, PrefillCancelled
 from ..dsml import DecodeState
 from ..kvstore import FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE, CachePolicy, DiskCache
 
-DEFAULT_CHUNK = 512
 
 
 MISS_KINDS = ("below min tokens", "no file", "text diverged", "token mismatch", "incompatible file",
@@ -250,7 +249,7 @@ class Worker:
 
     # -- disk cache helpers ----------------------------------------------------------------------------------
     def _chunk(self) -> int:
-        return getattr(self.session, "chunk_size", DEFAULT_CHUNK) or DEFAULT_CHUNK
+        return getattr(self.session, "chunk_size", None) or DEFAULT_CHUNK
 
     def _save_live(self, reason: str, responses: LiveBinding | None = None) -> None:
         """evict/shutdown save of the whole live session, keyed by the visible text of a Responses binding
