@@ -150,5 +150,5 @@ def serve_fake(argv: list[str] | None = None) -> None:
     """``serve`` with the fake engine: the real command line, but the model loader swapped."""
     from ds4_mlx.server import cli
 
-    cli.model_loader = lambda path, ctx: fake_loader(path)
+    cli.model_loader = lambda path, ctx, *_: fake_loader(path)
     cli.main(argv)
