@@ -73,7 +73,8 @@ def run_mv() -> None:
     from gguf import GGMLQuantizationType as QT
 
     from ds4_mlx.random_model import random_quant_weight
-    from ds4_mlx.weights import _kernels, kernel_backend
+    from ds4_mlx.backend import kernel_backend
+    from ds4_mlx.weights import _kernels
 
     K, backend = _kernels(), kernel_backend()
     for label, qname, shape, pairs in mv_shapes():

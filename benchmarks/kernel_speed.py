@@ -287,7 +287,7 @@ def main():
     if args.smoke:
         _smoke_setup()
     else:
-        from ds4_mlx.weights import kernel_backend
+        from ds4_mlx.backend import kernel_backend
 
         BACKEND = kernel_backend()
         if BACKEND == "fallback":

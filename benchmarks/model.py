@@ -37,7 +37,7 @@ from ds4_mlx.model.model import Model, hc_post, hc_pre  # noqa: E402  (the HC fu
 from ds4_mlx.session import Session  # noqa: E402
 from ds4_mlx.random_model import random_weights, shape_config  # noqa: E402
 from ds4_mlx.sampling import DEFAULT_PARAMS, Sampler  # noqa: E402
-from ds4_mlx.weights import kernel_backend  # noqa: E402
+from ds4_mlx.backend import kernel_backend  # noqa: E402
 
 def tensor_bytes(weights: dict) -> dict[str, int]:
     return {k: int(v.nbytes) for k, v in weights.items()}

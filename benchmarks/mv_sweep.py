@@ -75,7 +75,8 @@ def cases(only: list[str] | None = None, default: bool = False, given: list[tupl
     from gguf import GGMLQuantizationType as QT
 
     from ds4_mlx.random_model import random_quant_weight
-    from ds4_mlx.weights import _kernels, kernel_backend
+    from ds4_mlx.backend import kernel_backend
+    from ds4_mlx.weights import _kernels
 
     K, b = _kernels(), kernel_backend()
 

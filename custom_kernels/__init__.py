@@ -41,6 +41,9 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from ds4_mlx.paths import cache_dir
+from ds4_mlx.quants import iq2xxs_grid_bytes
+
 SOURCE_DIR = Path(__file__).resolve().parent
 
 #: Types the custom kernels handle (plain types need ``in % 32 == 0``).
@@ -186,8 +189,6 @@ const uint32_t ds_simd = ds_tid >> 5;
 @lru_cache(maxsize=None)
 def iq2_grid_words() -> str:
     """The IQ2_XXS grid from gguf-py as 512 u32 literals (lo, hi of each u64 word)."""
-    from ds4_mlx.quants import iq2xxs_grid_bytes
-
     words = iq2xxs_grid_bytes().copy().view("<u4").reshape(-1)
     return ", ".join(f"0x{int(w):08x}u" for w in words)
 
@@ -259,9 +260,7 @@ def render_source(kind: str, backend: str) -> str:
 
 def kernel_cache_dir() -> Path:
     """Where the CUDA launches' rendered headers and bodies are written: ``kernels/`` in the package's cache
-    folder (:func:`ds4_mlx.demo.cache_dir`, e.g. ``~/.cache/ds4-mlx``)."""
-    from ds4_mlx.demo import cache_dir
-
+    folder (:func:`ds4_mlx.paths.cache_dir`, e.g. ``~/.cache/ds4-mlx``)."""
     return cache_dir() / "kernels"
 
 

@@ -190,7 +190,7 @@ def process_device_memory() -> int | None:
 
 
 def system_info(model_desc: str, quant: str) -> dict:
-    from .weights import kernel_backend
+    from .backend import kernel_backend
 
     info = mx.device_info() if hasattr(mx, "device_info") else {}
     name = info.get("device_name") or info.get("architecture") or platform.processor() or platform.machine()

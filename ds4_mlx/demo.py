@@ -11,15 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from .paths import cache_dir
+
 DEMO_SEED = 0
-
-
-def cache_dir() -> Path:
-    """``$DS4_MLX_CACHE``, else ``$XDG_CACHE_HOME/ds4-mlx``, else ``~/.cache/ds4-mlx``."""
-    if os.environ.get("DS4_MLX_CACHE"):
-        return Path(os.environ["DS4_MLX_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ds4-mlx"
 
 
 def demo_model_path() -> Path:

@@ -26,10 +26,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from .backend import kernel_backend
 from .chat import DEFAULT_SYSTEM, Message, ThinkMode, cli_prompt_tokens, render_chat
 from .sampling import DEFAULT_PARAMS, Sampler, SamplingParams, StopStrings, on_device
 from .session import DEFAULT_CHUNK, Session, SessionSnapshot, StepEncoder
-from .weights import kernel_backend
 
 DEFAULT_CTX = 32768
 # Steps queued ahead of the id the host reads (decode_tokens). One is mlx-lm's, but then the H200's host waits

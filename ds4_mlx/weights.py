@@ -3,14 +3,13 @@
 The bytes are never requantized. ``matmul`` / ``gather_matmul`` run on one of three backends:
 custom Metal kernels (Apple GPU), custom CUDA kernels (NVIDIA), or the pure-MLX fallback of
 :mod:`ds4_mlx.quants` (dequantize + ``mx.matmul``; the CPU path and the tests' oracle).
-The backend is chosen at call time: ``DS4_MLX_KERNELS=fallback|metal|cuda`` or :func:`set_kernel_backend`
-override the automatic choice (the GPU kernels when the default device is a GPU, the fallback otherwise).
+The backend is chosen at call time (:func:`ds4_mlx.backend.kernel_backend`: ``DS4_MLX_KERNELS`` or
+:func:`set_kernel_backend` override the automatic choice).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Any, Callable, Sequence
 
@@ -19,10 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx import quants
-
-#: ``sim`` runs the kernels' CUDA text on the CPU (custom_kernels/sim.py): for tests and kernel work, slow.
-BACKENDS = ("fallback", "metal", "cuda", "sim")
-_backend_override: str | None = None
+from ds4_mlx.backend import kernel_backend, set_kernel_backend  # noqa: F401 (set_kernel_backend: public here too)
 
 #: Held by every evaluation of the package's that may run while a decode step is being built on another thread:
 #: the :class:`~ds4_mlx.session.StepEncoder`'s worker holds it to queue a step, :meth:`QuantWeight.derived` to
@@ -33,34 +29,6 @@ EVAL_LOCK = threading.Lock()
 
 # Largest f32 weight slab (elements) the fallback dequantizes at once: 2**26 floats = 256 MiB.
 FALLBACK_MAX_ELEMS = 1 << 26
-
-
-def set_kernel_backend(name: str | None) -> None:
-    """Force a backend for every later call (``None`` restores env-var / automatic selection)."""
-    global _backend_override
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
-    _backend_override = name
-
-
-def kernel_backend() -> str:
-    """The backend used now: the setter's value, else ``$DS4_MLX_KERNELS``, else automatic."""
-    name = _backend_override or os.environ.get("DS4_MLX_KERNELS", "").strip().lower() or "auto"
-    if name == "auto":
-        if mx.default_device() != mx.gpu:
-            return "fallback"
-        if mx.metal.is_available():
-            return "metal"
-        if mx.cuda.is_available():
-            return "cuda"
-        return "fallback"
-    if name not in BACKENDS:
-        raise ValueError(f"DS4_MLX_KERNELS must be one of auto|{'|'.join(BACKENDS)}, got {name!r}")
-    if name == "metal" and not mx.metal.is_available():
-        raise RuntimeError("DS4_MLX_KERNELS=metal but MLX has no Metal backend here")
-    if name == "cuda" and not mx.cuda.is_available():
-        raise RuntimeError("DS4_MLX_KERNELS=cuda but MLX has no CUDA backend here")
-    return name
 
 
 @functools.cache

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from ds4_mlx import quants, weights
+from ds4_mlx import quants
+from ds4_mlx.backend import kernel_backend, set_kernel_backend
 from ds4_mlx.weights import QuantWeight
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def kernel_test_backend() -> str:
     """Where the kernel tests run the kernels: the GPU backend if there is one, else ``sim`` (the CUDA text on
     the CPU, custom_kernels/sim.py) if a C++ compiler is found, else ``fallback`` (kernel tests skip)."""
-    weights.set_kernel_backend(None)
+    set_kernel_backend(None)
     try:
-        b = weights.kernel_backend()
+        b = kernel_backend()
     except Exception:
         b = "fallback"
     if b == "fallback":
@@ -46,11 +47,11 @@ gpu_only = pytest.mark.skipif(BACKEND == "sim", reason="too large for the sim ba
 @contextlib.contextmanager
 def kernel_backend_set(name: str):
     """Every kernel call inside uses backend ``name`` (the public entry points too); automatic after."""
-    weights.set_kernel_backend(name)
+    set_kernel_backend(name)
     try:
         yield
     finally:
-        weights.set_kernel_backend(None)
+        set_kernel_backend(None)
 
 
 def make_weight(rng, qt: QT, shape, ref_dtype=np.float64) -> tuple[QuantWeight, np.ndarray]:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import ds4_mlx.kernels as kernels
+from ds4_mlx.backend import set_kernel_backend
 from ds4_mlx.loader import load
 from ds4_mlx.model.attention import make_layer_cache
-from ds4_mlx.weights import set_kernel_backend
 from kernel_util import BACKEND, needs_gpu
 
 pytestmark = needs_gpu

@@ -9,11 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4_mlx.backend import kernel_backend, set_kernel_backend
+from ds4_mlx.kernels.sim import compiler
 from ds4_mlx.loader import load
 from ds4_mlx.numerics import PROFILES
 from ds4_mlx.session import Session, StepEncoder
-from ds4_mlx.kernels.sim import compiler
-from ds4_mlx.weights import QT, QuantWeight, kernel_backend, set_kernel_backend
+from ds4_mlx.weights import QT, QuantWeight
 
 GPU = kernel_backend() in ("metal", "cuda")
 # On the GPU, prefill products of more than 8 tokens run the mm kernel, whose tiles round both operands to

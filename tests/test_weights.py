@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from ds4_mlx import quants, weights
+from ds4_mlx import backend, quants, weights
 from ds4_mlx.weights import QuantWeight
 from kernel_util import make_weight
 
@@ -19,9 +19,9 @@ if mx.default_device() == mx.gpu and mx.cuda.is_available():
 
 @pytest.fixture(autouse=True)
 def _fallback_backend():
-    weights.set_kernel_backend("fallback")
+    backend.set_kernel_backend("fallback")
     yield
-    weights.set_kernel_backend(None)
+    backend.set_kernel_backend(None)
 
 
 def rel_err(y: np.ndarray, x: np.ndarray, w: np.ndarray, einsum: str) -> float:
@@ -156,22 +156,25 @@ def test_from_gguf_reader(tmp_path):
 
 
 def test_backend_selection(monkeypatch):
-    weights.set_kernel_backend(None)
+    backend.set_kernel_backend(None)
     monkeypatch.setenv("DS4_MLX_KERNELS", "fallback")
-    assert weights.kernel_backend() == "fallback"
+    assert backend.kernel_backend() == "fallback"
     monkeypatch.setenv("DS4_MLX_KERNELS", "bogus")
     with pytest.raises(ValueError):
-        weights.kernel_backend()
+        backend.kernel_backend()
     monkeypatch.delenv("DS4_MLX_KERNELS")
     expected = "fallback"
     if mx.default_device() == mx.gpu:
         expected = "metal" if mx.metal.is_available() else "cuda" if mx.cuda.is_available() else "fallback"
-    assert weights.kernel_backend() == expected
+    assert backend.kernel_backend() == expected
     with pytest.raises(ValueError):
-        weights.set_kernel_backend("opencl")
-    weights.set_kernel_backend("fallback")
+        backend.set_kernel_backend("opencl")
+    backend.set_kernel_backend("fallback")
     monkeypatch.setenv("DS4_MLX_KERNELS", "bogus")  # the setter wins over the env var
-    assert weights.kernel_backend() == "fallback"
+    assert backend.kernel_backend() == "fallback"
+    # QuantWeight reads the same choice, and the setter stays importable from ds4_mlx.weights
+    assert weights.kernel_backend is backend.kernel_backend
+    assert weights.set_kernel_backend is backend.set_kernel_backend
 
 
 def test_shape_validation():

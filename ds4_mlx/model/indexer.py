@@ -18,11 +18,11 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
+from ..backend import kernel_backend
 from ..config import ModelConfig
 from ..kernels.fused import index_query, index_scores, index_scores_reference  # Metal/CUDA kernels; MLX on CPU
 from ..kernels import index_scores_chunk
 from ..numerics import Numerics, indexer_rounding
-from ..weights import kernel_backend
 from .compressor import Compressor
 from .rope import Rope
 

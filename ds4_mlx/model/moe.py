@@ -13,11 +13,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..backend import kernel_backend
 from ..config import ModelConfig
 from ..kernels.fused import (cols, expert_down_sum, expert_swiglu, experts_with_shared, moe_route, takes_quantized_x,
                              unpack_route)
 from ..kernels import MV_MAX_TOKENS, mm_gather, mm_gather_swiglu, routes_for, supports
-from ..weights import QuantWeight, kernel_backend
+from ..weights import QuantWeight
 
 ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
 RANK_MAX_ELEMS = 1 << 25  # largest [T, N, N] comparison block of the top-k selection
