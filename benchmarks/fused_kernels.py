@@ -18,10 +18,11 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ds4_mlx.weights import QuantWeight, _kernels, kernel_backend
+from ds4_mlx.backend import kernel_backend
+from ds4_mlx.weights import QuantWeight, _kernels
 
 _kernels()
-from ds4_mlx.kernels import fused  # noqa: E402
+from ds4_mlx.model import fused  # noqa: E402
 from ds4_mlx.model import hyper  # noqa: E402
 from ds4_mlx.model.rope import Rope  # noqa: E402
 
@@ -67,7 +68,7 @@ def main():
         t_mlx = bench(lambda: hyper.hc_pre(S, fn, scale, base, Cfg), iters)
         rec(f"hc_pre T={T}", bench(lambda: fused.hc_pre(S, fn, scale, base, Cfg), iters), t_mlx)
         if T > 1:
-            for tpb in fused.HC_PRE_TPB_CHOICES:
+            for tpb in _kernels().fused.HC_PRE_TPB_CHOICES:
                 rec(f"hc_pre T={T} tpb={tpb}", bench(lambda: fused.hc_pre(S, fn, scale, base, Cfg, tpb=tpb), iters), t_mlx)
         x, post, comb = hyper.hc_pre(S, fn, scale, base, Cfg)
         y = mx.array(rng.standard_normal((T, E)).astype(np.float32))

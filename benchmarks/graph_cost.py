@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds4_mlx import weights as W  # noqa: E402
+from ds4_mlx.model import fused as graph_ops  # noqa: E402
 from ds4_mlx.model.model import Model  # noqa: E402
 from ds4_mlx.random_model import random_weights  # noqa: E402
 from ds4_mlx.session import Session  # noqa: E402
@@ -88,13 +89,13 @@ class FakeKernels:
         return launch
 
     def __enter__(self):
-        self.saved = (W.kernel_backend, self.F.backend, self.F.get_fused_kernel, self.K.get_kernel)
-        W.kernel_backend = self.F.backend = lambda: "cuda"
+        self.saved = (W.kernel_backend, graph_ops.kernel_backend, self.F.get_fused_kernel, self.K.get_kernel)
+        W.kernel_backend = graph_ops.kernel_backend = lambda: "cuda"
         self.F.get_fused_kernel = self.K.get_kernel = self._fake
         return self
 
     def __exit__(self, *exc):
-        W.kernel_backend, self.F.backend, self.F.get_fused_kernel, self.K.get_kernel = self.saved
+        W.kernel_backend, graph_ops.kernel_backend, self.F.get_fused_kernel, self.K.get_kernel = self.saved
 
 
 def graph_dot(outputs: list[mx.array]) -> tuple[str, list[str]]:

@@ -187,8 +187,8 @@ def bench_moe_epilogues(E: int = 256, F: int = 2048, D: int = 4096, k: int = 6, 
     """The MoE decode sublayer's products, one token, as the model ran them before the matvec epilogues (the
     plain launches plus MLX's swiglu / sum / add) and with them (fused.expert_swiglu / expert_down_sum).
     Calls are queued back to back, so each time is the larger of the host's encode and the GPU's run."""
-    from ds4_mlx.kernels import fused
-    from ds4_mlx.model.moe import swiglu
+    from ds4_mlx.model import fused
+    from ds4_mlx.model.ops import swiglu
 
     gate, up = (QuantWeight(device_blocks(QT.IQ2_XXS, (E, F, D)), QT.IQ2_XXS, (E, F, D)) for _ in range(2))
     down = QuantWeight(device_blocks(QT.Q2_K, (E, D, F)), QT.Q2_K, (E, D, F))

@@ -25,11 +25,11 @@ import mlx.core as mx
 import numpy as np
 
 import ds4_mlx.kernels as kernels
+from ds4_mlx.backend import kernel_backend
 from ds4_mlx.model.attention import LayerCache
 from ds4_mlx.model.compressor import CompressorState
 from ds4_mlx.model.model import Model, hc_post, hc_post_pre, hc_pre
 from ds4_mlx.random_model import random_weights, shape_config
-from ds4_mlx.weights import kernel_backend
 
 LAYER_COUNT = {0: 2, 4: 21, 128: 20}  # the full model's layers by compression ratio
 

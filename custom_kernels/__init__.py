@@ -5,7 +5,11 @@ Each kernel is one ``*.body`` file plus the shared ``ds_prelude.h`` macro layer 
 or indentation (:func:`minify`) for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, builds each kernel
 once per backend, validates inputs and picks grid and threadgroup. :class:`ds4_mlx.weights.QuantWeight` calls
 :func:`matmul` and :func:`gather_matmul` here when the backend is ``metal`` or ``cuda`` (or ``sim``: the CUDA
-text run on the CPU by sim.py, for tests).
+text run on the CPU by sim.py, for tests); the graph's fused kernels are in :mod:`.fused`.
+
+The kernels sit under the rest of the package: they take weights duck-typed and the backend as an argument, and
+import from ``ds4_mlx`` only the leaf modules :mod:`ds4_mlx.paths` (where CUDA's rendered sources are written)
+and :mod:`ds4_mlx.quants` (the IQ2_XXS grid).
 
 Kernels:
 - ``mv``: decode matvec for a few tokens, dense or expert-gathered (``mul_mv_id``): f32 activations, weights
@@ -351,7 +355,7 @@ def quantize_x(x: mx.array) -> mx.array:
     """x [..., in] (in % 8 == 0) as the quantized-x matvec reads it (ds_quant.h ds_xq_load), float32-typed: per row,
     q = rint(x / d) as int8 [in], the remainder r = rint(128 (x − d·q) / d) as int8 [in], then d = max|x| / 127
     per 8 values as float32 [in / 8]: 5·in/8 words a row, x ≈ d·(q + r/128). In the model HC pre's kernel writes it
-    (``fused.hc_post_pre(quantize=True)``); these MLX ops are the tests' and benchmarks' reference."""
+    (:func:`ds4_mlx.kernels.fused.hc_pre` ``quantize``); these MLX ops are the tests' and benchmarks' reference."""
     *lead, n = x.shape
     o = x.astype(mx.float32).reshape(-1, n // 8, 8)
     amax = mx.abs(o).max(axis=-1, keepdims=True)

@@ -7,7 +7,7 @@ prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) 
 - ``hc_pre.body``: HC pre (MODEL.md §4.3) in one launch, one threadgroup per token (prefill); for decode-sized
   T, ``hc_mix.body`` first spreads the mixing matvec over many threadgroups and hc_pre sums its partials.
   Optionally hc_pre also applies the sublayer's input RMSNorm, and hc_mix first the previous sublayer's HC
-  post (:func:`hc_post_pre`).
+  post (:func:`hc_pre` ``post_of``).
 - ``hc_post.body``: HC post (§4.9), ``S_new = post ⊗ y + Cᵀ S``.
 - ``comp_pool.body``: the compressor's window pooling, RMSNorm × weight and RoPE at the window start
   (§4.6 steps 4–6) and ds4's FP8/QAT/f16r rounding of the row. For the decode token that completes a window
@@ -28,10 +28,13 @@ prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) 
 - ``attn_one.body``: one decode token's attention over the raw window and its compressed (or selected) rows,
   with the sink softmax and the output's inverse RoPE (§4.4), in one launch instead of ~15 MLX ops.
 
-Each public function has the signature of the pure-MLX code it replaces and falls back to it on the
-``fallback`` backend (CPU, or ``DS4_MLX_KERNELS=fallback``) and for inputs the kernels do not cover.
-The pure-MLX versions are the oracle of the tests. On MLX-CUDA a decode step is host-bound (each launch
-costs the host several µs to encode), so every launch these kernels save is time (benchmarks/RESULTS.md).
+Each launch function checks its inputs on every backend, so bad input gets the same error on the CPU, then
+launches its kernel on ``backend``, or returns None where the kernel does not run: on the ``fallback`` backend
+and for shapes past the kernel's limits. The caller runs the pure-MLX form then: the graph's fused operations
+(:mod:`ds4_mlx.model.fused`) and the device sampler (:func:`ds4_mlx.sampling.sample_on_device`) choose, and
+their pure-MLX forms are the tests' oracle. The kernels take the model's weights as duck-typed
+``QuantWeight``s (``qtype``, ``shape``, ``data``, ``derived``). On MLX-CUDA a decode step is host-bound (each
+launch costs the host several µs to encode), so every launch these kernels save is time (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import (
-    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, build, cols, mv,
+    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, build, mv,
     reg_direct, render_prelude, render_source, supports,
 )
 
@@ -246,18 +249,7 @@ def render_cuda_unit(insts: list[tuple[str, tuple]]) -> str:
     return "\n".join(parts)
 
 
-# --- backend ----------------------------------------------------------------------------------------------
-
-
-def backend() -> str:
-    """``fallback``, ``metal`` or ``cuda``: the same choice as the quant kernels (``DS4_MLX_KERNELS``)."""
-    from ds4_mlx.weights import kernel_backend
-
-    return kernel_backend()
-
-
-def _pick(b: str | None) -> str:
-    return backend() if b is None else b
+# --- input checks -----------------------------------------------------------------------------------------
 
 
 @lru_cache(maxsize=256)
@@ -305,41 +297,6 @@ def _fn_pairs(fn: Any) -> mx.array | None:
     return fn.derived("f16_pairs", lambda: fn.data.view(mx.uint32))
 
 
-def hc_pre(
-    S: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg, *, norm: mx.array | None = None,
-    backend: str | None = None, tpb: int | None = None, split: bool | None = None, cols: bool = False,
-):  # fmt: skip
-    """Fused HC pre (MODEL.md §4.3); same signature and results as :func:`ds4_mlx.model.hyper.hc_pre`.
-
-    S ``[T, n_hc, E]`` f32; fn the F16 ``QuantWeight [2n+n², n*E]``; scale ``[3]``; base ``[2n+n²]``.
-    Returns ``x [T, E]``, ``post [T, n_hc]``, ``comb [T, n_hc, n_hc]``; with ``norm [E]`` the sublayer's
-    normed input ``rms_norm(x, norm, cfg.rms_eps)`` instead of ``x`` (one launch less). ``tpb`` and ``split``
-    override the launch choice (tests and benchmarks): ``split`` runs hc_mix first (default for
-    T <= HC_PRE_SPLIT_MAX_T). ``cols`` (the decode step): one token's results as :class:`Cols` of the launch's
-    one output row, where the kernels that read them find them (on the kernel backends; else arrays).
-    """
-    return _hc_pre(S, fn, scale, base, cfg, norm, None, backend, tpb, split, cols=cols)[1:4]
-
-
-def hc_post_pre(
-    S: mx.array | Cols, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, fn: Any, scale: mx.array,
-    base: mx.array, cfg, *, norm: mx.array | None = None, quantize: bool = False, cols: bool = False,
-    backend: str | None = None,
-) -> tuple:  # fmt: skip
-    """HC post of one sublayer then HC pre of the next: ``S' = hc_post(S, y, post, comb)``, then
-    ``hc_pre(S', fn, scale, base, cfg, norm=norm, cols=cols)`` -> ``(S', x or n, post', comb', xq)``. For
-    decode-sized T the post runs inside the mix launch (one launch less). ``quantize``: on CUDA (and the sim
-    backend, which runs its text), that launch also writes its output quantized as
-    :func:`ds4_mlx.kernels.quantize_x` does (``xq``, for :func:`experts_with_shared`); else ``xq`` is None. Metal
-    has no 4-byte integer dot, and ds4's Metal build keeps f32 activations, so it keeps f32 x too."""
-    b = _pick(backend)
-    _, T, _, _ = _check_hc_post(S, y, post, comb, cfg.n_hc)
-    if T > HC_PRE_SPLIT_MAX_T:  # prefill: no split mix to carry the post
-        S = hc_post(S, y, post, comb, backend=b)
-        return (S, *hc_pre(S, fn, scale, base, cfg, norm=norm, backend=b), None)
-    return _hc_pre(S, fn, scale, base, cfg, norm, (y, post, comb), b, None, None, quantize, cols)
-
-
 def _streams(name: str, S: mx.array | Cols, n_hc: int, E: int) -> tuple[mx.array, int, int]:
     """``(array, T, E)`` of a stream state: ``S [T, n_hc, E]`` f32, or one token's ``Cols(a, 0)`` of hc_mix's
     output row (``a [1, >= n_hc*E]``: the state first, then the partials; the caller's ``E`` is its width)."""
@@ -353,14 +310,25 @@ def _streams(name: str, S: mx.array | Cols, n_hc: int, E: int) -> tuple[mx.array
     return _row_in_place(name, S, n_hc * E)[0], 1, E
 
 
-def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantize=False, cols=False) -> tuple:
-    """-> ``(S', x or n, post, comb, xq or None)``; ``post_of = (y, post, comb)`` applies HC post to S first
-    (inside the split mix; only :func:`hc_post_pre` passes it, for decode-sized T). With ``cols`` and one
-    token, S' is :class:`Cols` of the mix launch's output row (what hc_mix, hc_pre and hc_post read in place)."""
-    from ds4_mlx.model import hyper
+def hc_pre(
+    S: mx.array | Cols, fn: Any, scale: mx.array, base: mx.array, n_hc: int, n_iter: int, rms_eps: float,
+    hc_eps: float, *, norm: mx.array | None = None, post_of: tuple | None = None, backend: str,
+    tpb: int | None = None, split: bool | None = None, quantize: bool = False, cols: bool = False,
+) -> tuple | None:  # fmt: skip
+    """HC pre (MODEL.md §4.3) of ``n_hc`` streams with ``n_iter`` Sinkhorn iterations -> ``(S', x or n, post,
+    comb, xq or None)``, or None where the kernels do not run (the ``fallback`` backend, fn not plain F16, n_hc
+    not 1, 2 or 4, T = 0, E > HC_PRE_XK * HC_PRE_THREADS).
 
-    b = _pick(backend)
-    n_hc = cfg.n_hc
+    S ``[T, n_hc, E]`` f32 (or one token's :class:`Cols` of a mix launch's row, see :func:`_streams`); fn the F16
+    ``QuantWeight [2n+n², n*E]``; scale ``[3]``; base ``[2n+n²]``. ``x [T, E]``, ``post [T, n_hc]``, ``comb [T,
+    n_hc, n_hc]``; with ``norm [E]`` the sublayer's normed input ``rms_norm(x, norm, rms_eps)`` instead of ``x``.
+    ``post_of = (y, post, comb)`` applies HC post to S first, inside the split mix (decode-sized T only). ``tpb``
+    and ``split`` override the launch choice: ``split`` runs hc_mix first (default for T <= HC_PRE_SPLIT_MAX_T).
+    ``quantize``: on CUDA (and the sim backend, which runs its text) the launch also writes x quantized as
+    :func:`ds4_mlx.kernels.quantize_x` does (``xq``); Metal has no 4-byte integer dot and keeps f32 x. With
+    ``cols`` and one token, S' and the results are :class:`Cols` of the launches' output rows (what hc_mix,
+    hc_pre, hc_post and the matvecs read in place).
+    """
     mix = 2 * n_hc + n_hc * n_hc
     S, T, E = _streams("hc_pre: S", S, n_hc, fn.shape[1] // n_hc)
     if tuple(fn.shape) != (mix, n_hc * E):
@@ -370,12 +338,9 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
     if norm is not None:
         _check_f32("hc_pre: norm", norm, (E,))
     fnw = _fn_pairs(fn)
-    if b == "fallback" or fnw is None or n_hc not in (1, 2, 4) or T == 0 or E > HC_PRE_XK * HC_PRE_THREADS:
-        S = _state_array(S, T, n_hc, E)
-        if post_of is not None:
-            S = hyper.hc_post(S, *_gate_arrays(*post_of, n_hc))
-        x, post, comb = hyper.hc_pre(S, fn, scale, base, cfg)
-        return S, (x if norm is None else mx.fast.rms_norm(x, norm, cfg.rms_eps)), post, comb, None
+    if backend == "fallback" or fnw is None or n_hc not in (1, 2, 4) or T == 0 or E > HC_PRE_XK * HC_PRE_THREADS:
+        return None
+    b = backend
     if split is None:
         split = tpb is None and T <= HC_PRE_SPLIT_MAX_T
     if tpb is None:
@@ -401,14 +366,14 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
         if post_of is not None:
             S = S_new = part
     threads = HC_PRE_SPLIT_THREADS if split else HC_PRE_THREADS
-    quantize = quantize and b in ("cuda", "sim") and E % 8 == 0  # octets; Metal keeps f32 x (hc_post_pre)
+    quantize = quantize and b in ("cuda", "sim") and E % 8 == 0  # octets; Metal keeps f32 x
     # One output row a token: x, post, comb, then (quantize) x quantized from a 16-byte aligned column XO.
     XO = E + -(-(n_hc + n_hc * n_hc) // 4) * 4
     PW = XO + 5 * E // 8 if quantize else E + n_hc + n_hc * n_hc
     (out,) = get_fused_kernel("hc_pre_xq" if quantize else "hc_pre", b)(
-        inputs=[S, fnw, scale, base, _f32(cfg.rms_eps, cfg.hc_eps), _params(E, T, G, PW, XO, PO), part,
+        inputs=[S, fnw, scale, base, _f32(rms_eps, hc_eps), _params(E, T, G, PW, XO, PO), part,
                 unused if norm is None else norm],  # fmt: skip
-        template=[("NHC", n_hc), ("NITER", cfg.n_sinkhorn_iter), ("TPB", tpb), ("SPLIT", int(split)),
+        template=[("NHC", n_hc), ("NITER", n_iter), ("TPB", tpb), ("SPLIT", int(split)),
                   ("NORM", int(norm is not None))],  # fmt: skip
         grid=(-(-T // tpb) * threads * (2 if split else 1), 1, 1),  # split: a collapse and a gates group a token
         threadgroup=(threads, 1, 1),
@@ -425,11 +390,6 @@ def _hc_pre(S, fn, scale, base, cfg, norm, post_of, backend, tpb, split, quantiz
             out[:, XO:] if quantize else None)  # fmt: skip
 
 
-def _state_array(S: mx.array, T: int, n_hc: int, E: int) -> mx.array:
-    """A stream state (:func:`_streams`' array) as ``[T, n_hc, E]``, for the pure-MLX paths."""
-    return S if S.ndim == 3 else S[:, : n_hc * E].reshape(T, n_hc, E)
-
-
 def _gate_inputs(y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, n: int) -> tuple:
     """HC post's operands as hc_mix.body and hc_post.body read them: ``(y, post, comb, (ps, po, cs, co))``, token
     t's post gates at ``post[t * ps + po]`` and its comb at ``comb[t * cs + co]``. ``post`` and ``comb`` are arrays
@@ -439,32 +399,23 @@ def _gate_inputs(y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, n: i
     return y, post, comb, (n, 0, n * n, 0)
 
 
-def _gate_arrays(y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, n: int) -> tuple:
-    """``(y, post [T, n], comb [T, n, n])`` as arrays, for the pure-MLX :func:`ds4_mlx.model.hyper.hc_post`."""
-    if not isinstance(post, Cols):
-        return y, post, comb
-    return y, cols(post, n), cols(comb, n * n).reshape(1, n, n)
-
-
 # --- HC post ----------------------------------------------------------------------------------------------
 
 
 def hc_post(
     S: mx.array | Cols, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, *, n_hc: int | None = None,
-    backend: str | None = None,
-) -> mx.array:  # fmt: skip
-    """Fused HC post (MODEL.md §4.9); same signature and results as :func:`ds4_mlx.model.hyper.hc_post`.
-    ``post`` and ``comb`` may be :class:`Cols` of HC pre's output row (:func:`hc_pre` ``cols``), and ``S`` one
-    token's state as :class:`Cols` of the mix launch's row (:func:`hc_post_pre` ``cols``; give ``n_hc`` then)."""
-    from ds4_mlx.model import hyper
-
-    b = _pick(backend)
-    S, T, n, E = _check_hc_post(S, y, post, comb, n_hc)
+    backend: str,
+) -> mx.array | None:  # fmt: skip
+    """HC post (MODEL.md §4.9), ``S_new = post ⊗ y + Cᵀ S`` -> ``[T, n_hc, E]``, or None where the kernel does
+    not run (the ``fallback`` backend, E not a multiple of 32, T = 0). ``post`` and ``comb`` may be :class:`Cols`
+    of HC pre's output row (:func:`hc_pre` ``cols``), and ``S`` one token's state as :class:`Cols` of the mix
+    launch's row (give ``n_hc`` then)."""
+    S, T, n, E = check_hc_post(S, y, post, comb, n_hc)
     tg = next((t for t in HC_POST_THREADS if E % t == 0), None)
-    if b == "fallback" or tg is None or T == 0:
-        return hyper.hc_post(_state_array(S, T, n, E), *_gate_arrays(y, post, comb, n))
+    if backend == "fallback" or tg is None or T == 0:
+        return None
     y, post, comb, gate_params = _gate_inputs(y, post, comb, n)
-    return get_fused_kernel("hc_post", b)(
+    return get_fused_kernel("hc_post", backend)(
         inputs=[S, y, post, comb, _params(E, T, *gate_params)],  # comb [T, n, n] read flat
         template=[("NHC", n)],
         grid=(E, T, 1),
@@ -474,7 +425,7 @@ def hc_post(
     )[0]
 
 
-def _check_hc_post(
+def check_hc_post(
     S: mx.array | Cols, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, n_hc: int | None
 ) -> tuple[mx.array, int, int, int]:
     """Checks HC post's operands -> ``(S as an array, T, n_hc, E)`` (see :func:`_streams`)."""
@@ -497,19 +448,6 @@ def _check_hc_post(
 # --- compressor window ------------------------------------------------------------------------------------
 
 
-def _pool_reference(kv: mx.array, score: mx.array, norm: mx.array, C: mx.array, S: mx.array, eps: float, lanes: int):
-    """The pure-MLX pooling of ``Compressor._finish`` (before ``finish_row``), for either layout."""
-    from ds4_mlx.model.rope import apply_rope
-
-    if lanes == 2:  # frontier layout -> entries: lane A of rows 0..n-1, lane B of rows n..2n-1
-        n, hd = kv.shape[1] // 2, kv.shape[2] // 2
-        kv = mx.concatenate([kv[:, :n, :hd], kv[:, n:, hd:]], axis=1)
-        score = mx.concatenate([score[:, :n, :hd], score[:, n:, hd:]], axis=1)
-    pooled = (mx.softmax(score, axis=1) * kv).sum(axis=1)  # [nw, hd]
-    c = mx.fast.rms_norm(pooled, norm, eps)
-    return apply_rope(c, C, S)
-
-
 def compressor_pool(
     kv: mx.array,
     score: mx.array,
@@ -521,18 +459,17 @@ def compressor_pool(
     lanes: int = 1,
     rounding: Any = None,
     out_dtype: mx.Dtype = mx.float32,
-    backend: str | None = None,
-) -> mx.array:
+    backend: str,
+) -> mx.array | None:
     """Pool, norm and RoPE finished compressor windows (MODEL.md §4.6 steps 4–6), then ds4's storage rounding
-    ``rounding`` (a :class:`ds4_mlx.numerics.RowRounding`, or ``None``) -> ``[nw, hd]`` as ``out_dtype``
-    (float32, or float16 when the rounding ends in f16).
+    ``rounding`` (a row rounding with ``fp8_dims``, ``qat`` and ``f16``, callable on rows, or ``None``) -> ``[nw,
+    hd]`` as ``out_dtype`` (float32, or float16 when the rounding ends in f16); None where the kernel does not
+    run (the ``fallback`` backend, hd not a multiple of 32 or over 1024, nw = 0).
 
-    ``lanes=1``: ``kv``/``score`` are the entries ``[nw, n_ent, hd]`` (what ``Compressor._finish`` builds).
-    ``lanes=2``: the ratio-4 frontier layout ``[nw, 2r, 2hd]`` (lane A of rows 0..r-1, lane B of rows r..2r-1),
-    so decode can pass the state directly. Scores already include APE. ``norm [hd]``; ``C, S [nw, hd]`` are
-    ``Rope.tables(window_starts, hd)``.
+    ``lanes=1``: ``kv``/``score`` are the entries ``[nw, n_ent, hd]``. ``lanes=2``: the ratio-4 frontier layout
+    ``[nw, 2r, 2hd]`` (lane A of rows 0..r-1, lane B of rows r..2r-1). Scores already include APE. ``norm [hd]``;
+    ``C, S [nw, hd]`` are the window starts' RoPE tables.
     """
-    b = _pick(backend)
     if kv.ndim != 3 or lanes not in (1, 2):
         raise ValueError(f"compressor_pool: kv must be [nw, rows, lanes*hd] with lanes 1|2, got {tuple(kv.shape)}, {lanes}")
     nw, rows, width = kv.shape
@@ -545,11 +482,11 @@ def compressor_pool(
     _check_f32("compressor_pool: C", C, (nw, hd))
     _check_f32("compressor_pool: S", S, (nw, hd))
     _check_pool_out("compressor_pool", rounding, out_dtype)
-    if b == "fallback" or not _pool_kernel_fits(hd) or nw == 0:
-        return _finish_rows(_pool_reference(kv, score, norm, C, S, eps, lanes), rounding, out_dtype)
+    if backend == "fallback" or not _pool_kernel_fits(hd) or nw == 0:
+        return None
     rnd, row_dtype, finish = _pool_rounding(rounding, hd, out_dtype)
     f, i = _dummy(mx.float32), _dummy(mx.int32)
-    row = get_fused_kernel("comp_pool", b)(
+    row = get_fused_kernel("comp_pool", backend)(
         inputs=[kv, score, norm, C, S, _f32(float(eps)), f, f, f, i],
         template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 0), ("KVO", 0), ("SCO", 0), *rnd],
         grid=(nw * hd, 1, 1),
@@ -568,8 +505,8 @@ _NO_ROUNDING = (("ROUND", 0), ("NOPE", 0), ("F16R", 0))
 
 
 def _rounding_template(rounding: Any, hd: int) -> tuple | None:
-    """comp_pool's (ROUND, NOPE, F16R) for a :class:`ds4_mlx.numerics.RowRounding` (``None``: no rounding);
-    ``None`` where the kernel cannot apply it (then the caller rounds in MLX)."""
+    """comp_pool's (ROUND, NOPE, F16R) for a row rounding (``None``: no rounding); ``None`` where the kernel
+    cannot apply it (then the rounding's own MLX ops round the kernel's f32 row)."""
     if rounding is None:
         return _NO_ROUNDING
     fp8, qat = int(rounding.fp8_dims), bool(rounding.qat)
@@ -580,11 +517,11 @@ def _rounding_template(rounding: Any, hd: int) -> tuple | None:
 
 def _pool_rounding(rounding: Any, hd: int, out_dtype: mx.Dtype) -> tuple[tuple, mx.Dtype, Any]:
     """A comp_pool launch's rounding template, its row's type, and what is left to do to the row: nothing
-    where the kernel rounds, else MLX's rounding and cast of the kernel's f32 row."""
+    where the kernel rounds, else the rounding's MLX ops and the cast of the kernel's f32 row."""
     rnd = _rounding_template(rounding, hd)
     if rnd is not None:
         return rnd, out_dtype, lambda row: row
-    return _NO_ROUNDING, mx.float32, lambda row: _finish_rows(row, rounding, out_dtype)
+    return _NO_ROUNDING, mx.float32, lambda row: rounding(row).astype(out_dtype)
 
 
 def _check_pool_out(kernel: str, rounding: Any, out_dtype: mx.Dtype) -> None:
@@ -594,25 +531,20 @@ def _check_pool_out(kernel: str, rounding: Any, out_dtype: mx.Dtype) -> None:
         raise ValueError(f"{kernel}: a float16 row needs a rounding with f16 (the row must be f16-exact)")
 
 
-def _finish_rows(row: mx.array, rounding: Any, out_dtype: mx.Dtype) -> mx.array:
-    """MLX's rounding and cast of pooled rows (the fallback, or where the kernel cannot round)."""
-    return (row if rounding is None else rounding(row)).astype(out_dtype)
-
-
 def compressor_emit(
-    fr: mx.array, kv_row: mx.array, score_row: mx.array, ape: mx.array, at: mx.array, norm: mx.array, C: mx.array,
-    S: mx.array, eps: float, *, lanes: int, neg: float, rounding: Any = None, out_dtype: mx.Dtype = mx.float32,
-    backend: str | None = None,
-) -> tuple[mx.array, mx.array]:  # fmt: skip
-    """The decode token that completes a window: :func:`compressor_write` of its row, :func:`compressor_pool`
-    of the frontier (``rounding``, ``out_dtype`` as there), then the next frontier (MODEL.md §4.6)
-    -> ``(row [1, hd], fr)``.
+    fr: mx.array, kv_row: mx.array | Cols, score_row: mx.array | Cols, ape: mx.array, at: mx.array, norm: mx.array,
+    C: mx.array, S: mx.array, eps: float, *, lanes: int, neg: float, rounding: Any = None,
+    out_dtype: mx.Dtype = mx.float32, backend: str,
+) -> tuple[mx.array, mx.array] | None:  # fmt: skip
+    """The decode token that completes a window, in one launch: :func:`compressor_write` of its row,
+    :func:`compressor_pool` of the frontier (``rounding``, ``out_dtype`` as there), then the next frontier
+    (MODEL.md §4.6) -> ``(row [1, hd], fr)``; None where the kernel does not run (the ``fallback`` backend, hd
+    not a multiple of 32 or over 1024).
 
-    ``fr [2, rows, lanes*hd]`` is the frontier, kv then score (:class:`ds4_mlx.model.compressor.CompressorState`).
-    The next frontier: with ``lanes=2`` (ratio 4) the finished window's rows ``r..2r-1`` become rows ``0..r-1``
-    and rows ``r..`` are empty (kv 0, score ``neg``); with ``lanes=1`` it is all empty. On the GPU one launch.
+    ``fr [2, rows, lanes*hd]`` is the frontier, kv then score. The next frontier: with ``lanes=2`` (ratio 4) the
+    finished window's rows ``r..2r-1`` become rows ``0..r-1`` and rows ``r..`` are empty (kv 0, score ``neg``);
+    with ``lanes=1`` it is all empty.
     """
-    b = _pick(backend)
     if fr.ndim != 3 or fr.shape[0] != 2 or lanes not in (1, 2) or fr.shape[1] % lanes or fr.shape[2] % lanes:
         raise ValueError(f"compressor_emit: the frontier must be [2, rows, lanes*hd] with lanes 1|2 dividing both, "
                          f"got {tuple(fr.shape)}, lanes={lanes}")
@@ -625,18 +557,10 @@ def compressor_emit(
                                   for n, a in (("kv_row", kv_row), ("score_row", score_row)))  # fmt: skip
     _check_block("compressor_emit", "at", at)
     _check_pool_out("compressor_emit", rounding, out_dtype)
-    if b == "fallback" or not _pool_kernel_fits(hd):
-        new = compressor_write(fr, kv_row, score_row, ape, at, backend="fallback")
-        kv, score = new[0], new[1]
-        row = compressor_pool(kv[None], score[None], norm, C, S, eps, lanes=lanes, rounding=rounding,
-                              out_dtype=out_dtype, backend="fallback")  # fmt: skip
-        empty = (rows // lanes, width)
-        nxt_kv, nxt_sc = mx.zeros(empty, mx.float32), mx.full(empty, neg, mx.float32)
-        if lanes == 2:  # the finished window becomes the previous one
-            nxt_kv, nxt_sc = mx.concatenate([kv[rows // 2 :], nxt_kv]), mx.concatenate([score[rows // 2 :], nxt_sc])
-        return row, mx.stack([nxt_kv, nxt_sc])
+    if backend == "fallback" or not _pool_kernel_fits(hd):
+        return None
     rnd, row_dtype, finish = _pool_rounding(rounding, hd, out_dtype)
-    row, fr = get_fused_kernel("comp_pool", b)(
+    row, fr = get_fused_kernel("comp_pool", backend)(
         inputs=[fr, _dummy(mx.float32), norm, C, S, _f32(float(eps), float(neg)), kv_in, sc_in, ape, at],
         template=[("HD", hd), ("ROWS", rows), ("LANES", lanes), ("EMIT", 1), ("KVO", kvo), ("SCO", sco), *rnd],
         grid=(hd, 1, 1),
@@ -652,12 +576,12 @@ COMP_WRITE_THREADS = 256
 
 
 def compressor_write(
-    fr: mx.array, kv_row: mx.array, score_row: mx.array, ape: mx.array, at: mx.array, *, backend: str | None = None
-) -> mx.array:
+    fr: mx.array, kv_row: mx.array | Cols, score_row: mx.array | Cols, ape: mx.array, at: mx.array, *, backend: str
+) -> mx.array | None:
     """One decode token into its compressor frontier ``fr [2, R, W]`` (kv, then score; MODEL.md §4.6):
-    ``kv[at] = kv_row``, ``score[at] = score_row + ape`` -> the new frontier. ``kv_row``, ``score_row`` (each
-    ``[1, W]`` or :class:`Cols`) and ``ape`` ``[1, W]`` are f32, ``at`` the frontier row (:func:`kernel_index`)."""
-    b = _pick(backend)
+    ``kv[at] = kv_row``, ``score[at] = score_row + ape`` -> the new frontier; None on the ``fallback`` backend.
+    ``kv_row``, ``score_row`` (each ``[1, W]`` or :class:`Cols`) and ``ape`` ``[1, W]`` are f32, ``at`` the
+    frontier row (:func:`kernel_index`)."""
     if fr.ndim != 3 or fr.shape[0] != 2:
         raise ValueError(f"compressor_write: the frontier must be [2, R, W], got shape {tuple(fr.shape)}")
     _, R, W = fr.shape
@@ -666,10 +590,9 @@ def compressor_write(
     (kv_in, kvo), (sc_in, sco) = (_row_in_place(f"compressor_write: {n}", a, W)
                                   for n, a in (("kv_row", kv_row), ("score_row", score_row)))  # fmt: skip
     _check_block("compressor_write", "at", at)
-    if b == "fallback":
-        return mx.stack([mx.slice_update(fr[0], cols(kv_row, W), at[:1], axes=(0,)),
-                         mx.slice_update(fr[1], cols(score_row, W) + ape, at[:1], axes=(0,))])  # fmt: skip
-    return get_fused_kernel("comp_write", b)(
+    if backend == "fallback":
+        return None
+    return get_fused_kernel("comp_write", backend)(
         inputs=[fr, kv_in, sc_in, ape, at, _params(R, W, kvo, sco)],
         grid=(R * W, 1, 1),
         threadgroup=(COMP_WRITE_THREADS, 1, 1),
@@ -678,7 +601,7 @@ def compressor_write(
     )[0]
 
 
-# --- one-token attention ----------------------------------------------------------------------------------
+# --- per-step inputs in device memory ---------------------------------------------------------------------
 
 
 def resident(a: mx.array) -> mx.array:
@@ -689,8 +612,8 @@ def resident(a: mx.array) -> mx.array:
     under Nsight Compute the first kernel to read a step's new host arrays (RoPE rows, counts) took 100-300 µs
     instead of 3 µs, every step (benchmarks/RESULTS.md). The copy is evaluated here, on a stream of its own,
     not left to the step that first reads it: a step then queues the same graph whether or not it made new
-    inputs, so MLX-CUDA reuses its CUDA graphs (each new one cost 1-3 ms to instantiate; twentieth session).
-    Being data, not a lazy op, the result also serves any thread (MLX streams are per thread).
+    inputs, so MLX-CUDA reuses its CUDA graphs (each new one cost 1-3 ms to instantiate). Being data, not a
+    lazy op, the result also serves any thread (MLX streams are per thread).
     """
     if not _on_cuda():
         return a
@@ -712,7 +635,7 @@ def fault_in(a: mx.array) -> None:
     """Read every page of ``a`` on the device once (on CUDA; nothing elsewhere): the pages of an array made from
     host data move to the GPU then, not one at a time in later steps. For the embedding table, which a decode
     step reads one row of, mostly rows that prefill never touched: that row's fault took 179 µs of a step's GPU
-    time (Nsight Compute, benchmarks/RESULTS.md, seventeenth session)."""
+    time (Nsight Compute, benchmarks/RESULTS.md)."""
     if _on_cuda():
         mx.eval(a.max())
 
@@ -724,8 +647,7 @@ def _on_cuda() -> bool:
 def stream_key() -> str:
     """The current default stream, as a cache key for lazy arrays made once and reused by later steps (RoPE
     rows: views of a resident block), which only the stream they were made on may run: MLX's streams belong
-    to their thread (the main thread's must not serve a :class:`~ds4_mlx.session.StepEncoder` or a server
-    worker). ~0.5 µs."""
+    to their thread (the main thread's must not serve another thread's decode steps). ~0.5 µs."""
     return str(mx.default_stream(mx.default_device()))
 
 
@@ -741,9 +663,11 @@ def kernel_index(i: int) -> mx.array:
 
     Not int32 ``[1]``: MLX-CUDA serves allocations of up to 8 bytes from a small-block pool that kernels read
     like host memory, every thread that reads the index waiting on the bus. A 512 KB frontier write took 18 µs
-    reading ``[1]`` or ``[2]``, 2.3 µs reading ``[8]`` (Nsight Compute, benchmarks/RESULTS.md, thirty-second
-    session)."""
+    reading ``[1]`` or ``[2]``, 2.3 µs reading ``[8]`` (Nsight Compute, benchmarks/RESULTS.md)."""
     return kernel_counts(i, 0)
+
+
+# --- one-token attention ----------------------------------------------------------------------------------
 
 
 def attend_one(
@@ -758,9 +682,10 @@ def attend_one(
     scale: float,
     *,
     nsg: int | None = None,
-    backend: str | None = None,
-) -> mx.array:
-    """One decode token's attention and the inverse RoPE of its output (MODEL.md §4.4) -> ``o [1, H, D]`` f32.
+    backend: str,
+) -> mx.array | None:
+    """One decode token's attention and the inverse RoPE of its output (MODEL.md §4.4) -> ``o [1, H, D]`` f32;
+    None where the kernel does not run (the ``fallback`` backend, D not a multiple of 32 or over ATTN_MAX_HD).
 
     ``q [1, H, D]`` f32 (RoPE'd); ``raw [Mr, D]``: the raw window, every row visible; ``comp [cap, D]``: the
     compressed-row buffer (raw's dtype, f16 or f32) or None; ``idx [1, k]`` (u)int32: the rows of ``comp`` the
@@ -770,10 +695,7 @@ def attend_one(
     the backend's ``ATTN_NSG``; benchmarks sweep it), each walking every nsg-th key; ``(nsg + 1) * D`` floats
     of threadgroup memory must fit the backend's (``TG_MEMORY``).
     """
-    from ds4_mlx.model.attention import attend
-    from ds4_mlx.model.rope import apply_rope
-
-    b = _pick(backend)
+    b = backend
     if q.ndim != 3 or q.shape[0] != 1:
         raise ValueError(f"attend_one: q must be [1, H, D], got shape {tuple(q.shape)}")
     _, H, D = q.shape
@@ -792,13 +714,7 @@ def attend_one(
     if nsg not in (1, 2, 4, 8, 16, 32) or (b in TG_MEMORY and 4 * (nsg + 1) * D + 8 * nsg > TG_MEMORY[b]):
         raise ValueError(f"attend_one: nsg={nsg} simdgroups of {D} dims do not fit a {b} threadgroup")
     if b == "fallback" or D % 32 or D > ATTN_MAX_HD:
-        gathered = rows = mask = None
-        if idx is not None:
-            gathered = comp[idx].astype(mx.float32)  # [1, k, D]
-        elif comp is not None:
-            rows, mask = comp.astype(mx.float32), mx.arange(comp.shape[0])[None, :] < counts[1]
-        o = attend(q, raw.astype(mx.float32), None, rows, gathered, mask, sinks, scale)
-        return apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
+        return None
     # The kernel indexes flat buffers: inputs go in as they are shaped (a reshape would be one more graph node).
     return get_fused_kernel("attn_one", b)(
         inputs=[q, raw, raw if comp is None else comp, _params(0) if idx is None else idx, sinks, C, S, counts,
@@ -819,21 +735,14 @@ INDEX_SCORES_THREADS = 256
 INDEX_SCORES_MAX_GROUPS = 1024
 
 
-def index_scores_reference(iq: mx.array, w: mx.array, keys: mx.array, scale: float) -> mx.array:
-    """``score [T, N] = sum_h w[t, h] * scale * relu(keys . iq[t, h])`` for ``iq [T, H, D]``, ``w [T, H]``, ``keys [N, D]``."""
-    # The head sum as multiply + reduce, not a [1, H] @ [H, N] product: one fused elementwise op and a reduction
-    # instead of two ops and a cuBLAS call (~40 µs of host time each on MLX-CUDA).
-    return (mx.maximum(iq @ keys.T, 0.0) * (w * scale)[:, :, None]).sum(axis=1)
-
-
 def index_scores(
-    iq: mx.array, w: mx.array, keys: mx.array, counts: mx.array, scale: float, *, backend: str | None = None
-) -> mx.array:
-    """The indexer's scores of one decode token (MODEL.md §4.7) -> ``[1, N]``: ``iq [1, H, D]`` query heads,
-    ``w [1, H]`` head weights (or :class:`Cols`; times ``scale``), ``keys [N, D]`` the indexer rows, of which
-    the first ``counts[0]`` are scored (``counts`` from :func:`kernel_counts`; the kernel writes 0 past them, the
-    fallback scores all)."""
-    b = _pick(backend)
+    iq: mx.array, w: mx.array | Cols, keys: mx.array, counts: mx.array, scale: float, *, backend: str
+) -> mx.array | None:
+    """The indexer's scores of one decode token (MODEL.md §4.7) -> ``[1, N]``, ``sum_h w[h] * scale *
+    relu(keys . iq[h])``, or None where the kernel does not run (the ``fallback`` backend, D not a multiple of 32
+    or over 256, N = 0): ``iq [1, H, D]`` query heads, ``w [1, H]`` head weights (or :class:`Cols`), ``keys [N,
+    D]`` the indexer rows, of which the first ``counts[0]`` are scored (``counts`` from :func:`kernel_counts`;
+    the kernel writes 0 past them)."""
     if iq.ndim != 3 or iq.shape[0] != 1:
         raise ValueError(f"index_scores: iq must be [1, H, D], got shape {tuple(iq.shape)}")
     _, H, D = iq.shape
@@ -842,11 +751,11 @@ def index_scores(
     w_in, wo = _row_in_place("index_scores: w", w, H)
     _check_f32("index_scores: keys", keys, (N, D))
     _check_block("index_scores", "counts", counts)
-    if b == "fallback" or D % 32 or D > 256 or N == 0:
-        return index_scores_reference(iq, cols(w, H), keys, scale)
+    if backend == "fallback" or D % 32 or D > 256 or N == 0:
+        return None
     nsg = INDEX_SCORES_THREADS // 32
     G = min(-(-N // nsg), INDEX_SCORES_MAX_GROUPS)
-    return get_fused_kernel("index_scores", b)(
+    return get_fused_kernel("index_scores", backend)(
         inputs=[iq, w_in, keys, counts, _params(N, G, wo), _f32(float(scale))],
         template=[("NH", H), ("HD", D)],
         grid=(G * INDEX_SCORES_THREADS, 1, 1),
@@ -856,21 +765,16 @@ def index_scores(
     )[0]
 
 
-def top_k_rows(scores: mx.array, counts: mx.array, k: int, *, backend: str | None = None) -> mx.array:
+def top_k_rows(scores: mx.array, counts: mx.array, k: int, *, backend: str) -> mx.array | None:
     """The ``k`` highest of the first ``counts[0]`` (> k) scores of ``scores [1, N]``, ties to the lower row,
-    as row indices ``[1, k]`` in ascending order (what ``select_top_k`` + ``selected_indices`` give).
-    ``counts`` int32 ``[8] = (visible rows, k, ...)`` is made on the host (:func:`kernel_counts`)."""
-    from ds4_mlx.model.indexer import select_top_k, selected_indices
-
-    b = _pick(backend)
+    as row indices ``[1, k]`` in ascending order; None on the ``fallback`` backend. ``counts`` int32 ``[8] =
+    (visible rows, k, ...)`` is made on the host (:func:`kernel_counts`)."""
     if scores.ndim != 2 or scores.shape[0] != 1 or scores.dtype != mx.float32:
         raise ValueError(f"top_k_rows: scores must be f32 [1, N], got {tuple(scores.shape)} {scores.dtype}")
     _check_block("top_k_rows", "counts", counts)
-    if b == "fallback":
-        visible = mx.arange(scores.shape[1])[None, :] < counts[0]
-        scores = mx.where(visible, scores, -mx.inf)  # more than k visible: no -inf is selected
-        return selected_indices(select_top_k(scores, np.array([scores.shape[1]]), k), k).astype(mx.int32)
-    return get_fused_kernel("topk_rows", b)(
+    if backend == "fallback":
+        return None
+    return get_fused_kernel("topk_rows", backend)(
         inputs=[scores, counts],
         template=[("NT", TOPK_THREADS)],
         grid=(TOPK_THREADS, 1, 1),
@@ -885,7 +789,7 @@ def top_k_rows(scores: mx.array, counts: mx.array, k: int, *, backend: str | Non
 
 def qkv_rows(
     qb: mx.array,
-    kvb: mx.array,
+    kvb: mx.array | Cols,
     norm: mx.array,
     C: mx.array,
     S: mx.array,
@@ -895,21 +799,17 @@ def qkv_rows(
     nope_fp8: int = 0,
     f16r: bool = False,
     window: tuple[mx.array, int, mx.dtype] | None = None,
-    backend: str | None = None,
-) -> tuple[mx.array, mx.array]:
-    """Query heads and KV row after their projections (MODEL.md §4.4, §4.12) -> ``q [T, n_head, D]``, ``kv [T, D]``.
+    backend: str,
+) -> tuple[mx.array, mx.array] | None:
+    """Query heads and KV row after their projections (MODEL.md §4.4, §4.12) -> ``q [T, n_head, D]``, ``kv [T, D]``;
+    None where the kernel does not run (the ``fallback`` backend, D not a multiple of 64 or over 1024, T = 0).
 
     ``qb [T, n_head*D]`` (attn_q_b output): per-head RMS norm (no weight), RoPE. ``kvb [T, D]`` (attn_kv output;
-    one token's may be :class:`Cols`):
-    RMS norm × ``norm [D]``, RoPE, then the FP8 round trip of the first ``nope_fp8`` dims (0: none) and f16
-    rounding (``f16r``), as ds4 stores the row. ``C, S [T, D]``: the tokens' RoPE tables.
-    ``window = (raw, keep, dtype)`` (one token): instead of the row, the raw window after it,
+    one token's may be :class:`Cols`): RMS norm × ``norm [D]``, RoPE, then the FP8 round trip of the first
+    ``nope_fp8`` dims (0: none) and f16 rounding (``f16r``), as ds4 stores the row. ``C, S [T, D]``: the tokens'
+    RoPE tables. ``window = (raw, keep, dtype)`` (one token): instead of the row, the raw window after it,
     ``concat(raw[-keep:], row)`` stored as ``dtype``, in the same launch.
     """
-    from ds4_mlx.model.rope import apply_rope
-    from ds4_mlx.numerics import f16r as round_f16, fp8_e4m3_round_trip
-
-    b = _pick(backend)
     if isinstance(kvb, Cols):  # one token
         T, D = 1, qb.shape[-1] // n_head
         kv_in, kvo = _row_in_place("qkv_rows: kvb", kvb, D)
@@ -924,17 +824,8 @@ def qkv_rows(
     _check_f32("qkv_rows: S", S, (T, D))
     if nope_fp8 % 64 or not 0 <= nope_fp8 <= D:
         raise ValueError(f"qkv_rows: nope_fp8 must be a multiple of 64 in [0, {D}], got {nope_fp8}")
-    if b == "fallback" or D % 64 or D > 1024 or T == 0:
-        q = apply_rope(mx.fast.rms_norm(qb.reshape(T, n_head, D), None, eps), C[:, None, :], S[:, None, :])
-        kv = apply_rope(mx.fast.rms_norm(cols(kvb, D), norm, eps), C, S)
-        if nope_fp8:
-            kv = fp8_e4m3_round_trip(kv, nope_fp8)
-        kv = round_f16(kv) if f16r else kv
-        if window is None:
-            return q, kv
-        raw, keep, dtype = window
-        kv = kv.astype(dtype)  # the row is f16-exact with f16r: cast the one row, not the f32 window
-        return q, mx.concatenate([raw[raw.shape[0] - keep :].astype(dtype), kv]) if keep else kv
+    if backend == "fallback" or D % 64 or D > 1024 or T == 0:
+        return None
     if window is None:
         raw, keep, dtype, wparams, rows = _dummy(mx.float32), 0, mx.float32, _params(0, 0, kvo), T
     else:
@@ -943,7 +834,7 @@ def qkv_rows(
             raise ValueError(f"qkv_rows: window needs one token and raw [>= {keep}, {D}], got T={T}, {tuple(raw.shape)}")
         raw = raw.astype(dtype)  # a no-op once the window is stored as dtype (a fresh cache starts f32)
         wparams, rows = _params(raw.shape[0], keep, kvo), keep + 1
-    return tuple(get_fused_kernel("qkv_rows", b)(
+    return tuple(get_fused_kernel("qkv_rows", backend)(
         inputs=[qb, kv_in, norm, C, S, _f32(float(eps)), raw, wparams],
         template=[("HD", D), ("NH", n_head), ("NOPE", nope_fp8), ("F16R", int(f16r)), ("WIN", int(window is not None))],
         grid=(T * (n_head + 1) * D, 1, 1),
@@ -963,17 +854,14 @@ def _zeros(n: int) -> mx.array:
 
 def moe_route(
     logits: mx.array, bias: mx.array | None, k: int, scale: float, norm: bool, *, packed: bool = False,
-    backend: str | None = None,
-) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+    backend: str,
+) -> tuple[mx.array, mx.array | None] | None:  # fmt: skip
     """Top-k router (MODEL.md §4.8) of ``logits [T, n_expert]`` (ffn_gate_inp output) -> expert ids int32
-    ``[T, k]`` by descending ``prob + bias`` (ties to the lower id) and their weights ``[T, k]``: the unbiased
-    probs, normalized if ``norm``, times ``scale``; same results as :func:`ds4_mlx.model.moe.route_top_k`.
-    ``packed``: where the kernel runs, ``(route, None)`` instead: its one int32 output ``[T, 2k]``, each row the ids
-    then the weights' f32 bits, which :func:`experts_with_shared` reads as it is (:func:`unpack_route` splits it);
-    the pure-MLX path still returns the two arrays."""
-    from ds4_mlx.model.moe import route_top_k
-
-    b = _pick(backend)
+    ``[T, k]`` by descending ``sqrt(softplus(logit)) + bias`` (ties to the lower id) and their weights ``[T,
+    k]``: the unbiased probs, normalized if ``norm``, times ``scale``; None where the kernel does not run (the
+    ``fallback`` backend, k > 32, n_expert > 1024, T = 0). ``packed``: ``(route, None)`` instead, the launch's one
+    int32 output ``[T, 2k]``, each row the ids then the weights' f32 bits, which :func:`experts_with_shared`
+    reads as it is (:func:`unpack_route` splits it)."""
     if logits.ndim != 2:
         raise ValueError(f"moe_route: logits must be [T, n_expert], got shape {tuple(logits.shape)}")
     T, NE = logits.shape
@@ -982,10 +870,10 @@ def moe_route(
         _check_f32("moe_route: bias", bias, (NE,))
     if not 0 < k <= NE:
         raise ValueError(f"moe_route: k must be in 1..{NE}, got {k}")
-    if b == "fallback" or k > 32 or NE > 1024 or T == 0:
-        return route_top_k(logits, bias, k, scale, norm)
+    if backend == "fallback" or k > 32 or NE > 1024 or T == 0:
+        return None
     threads = -(-NE // 32) * 32
-    (route,) = get_fused_kernel("moe_route", b)(
+    (route,) = get_fused_kernel("moe_route", backend)(
         inputs=[logits, _zeros(NE) if bias is None else bias, _f32(float(scale))],
         template=[("NE", NE), ("K", k), ("NORM", int(norm))],
         grid=(T * threads, 1, 1),
@@ -1004,27 +892,25 @@ def unpack_route(route: mx.array) -> tuple[mx.array, mx.array]:
 
 # --- indexer query heads ----------------------------------------------------------------------------------
 
+#: The indexer's head width, which index_q.body's Hadamard transform spans.
+INDEX_Q_DIM = 128
+
 
 def index_query(
-    qb: mx.array, C: mx.array, S: mx.array, n_head: int, qat: bool, *, backend: str | None = None
-) -> mx.array:
+    qb: mx.array, C: mx.array, S: mx.array, n_head: int, qat: bool, *, backend: str
+) -> mx.array | None:
     """The indexer's query heads (MODEL.md §4.7) -> ``[T, n_head, 128]``: RoPE of ``qb [T, n_head*128]``
     (indexer.attn_q_b output) with the tokens' tables ``C, S [T, 128]``, then, with ``qat``, Hadamard-128 and
-    the FP4 round trip (``numerics.indexer_qat``)."""
-    from ds4_mlx.model.rope import apply_rope
-    from ds4_mlx.numerics import HADAMARD_DIM, indexer_qat
-
-    b = _pick(backend)
+    the FP4 round trip; None where the kernel does not run (the ``fallback`` backend, T = 0)."""
     if qb.ndim != 2:
         raise ValueError(f"index_query: qb must be [T, n_head*128], got shape {tuple(qb.shape)}")
-    T, D = qb.shape[0], HADAMARD_DIM
+    T, D = qb.shape[0], INDEX_Q_DIM
     _check_f32("index_query: qb", qb, (T, n_head * D))
     _check_f32("index_query: C", C, (T, D))
     _check_f32("index_query: S", S, (T, D))
-    if b == "fallback" or T == 0:
-        q = apply_rope(qb.reshape(T, n_head, D), C[:, None, :], S[:, None, :])
-        return indexer_qat(q) if qat else q
-    return get_fused_kernel("index_q", b)(
+    if backend == "fallback" or T == 0:
+        return None
+    return get_fused_kernel("index_q", backend)(
         inputs=[qb, C, S],
         template=[("NH", n_head), ("QAT", int(qat))],
         grid=(T * n_head * D, 1, 1),
@@ -1043,43 +929,40 @@ def _mv_ok(b: str, T: int, *ws: Any) -> bool:
 
 def expert_swiglu(
     gate: Any, up: Any, x: mx.array, clamp: float, ids: mx.array | None = None, route_w: mx.array | None = None,
-    *, backend: str | None = None,
-) -> mx.array:  # fmt: skip
-    """The experts' clamped SwiGLU (MODEL.md §4.8): ``swiglu(gate·x, up·x, clamp)``, times ``route_w`` if given.
+    *, backend: str,
+) -> mx.array | None:  # fmt: skip
+    """The experts' clamped SwiGLU (MODEL.md §4.8), ``silu(min(gate·x, clamp)) * clip(up·x, ±clamp)``, times
+    ``route_w`` if given, in one matvec launch that reads both weights; None where it does not run (the
+    ``fallback`` backend, T = 0 or over MV_MAX_TOKENS, weights the kernels or the SwiGLU epilogue do not take).
 
     Dense (the shared expert): ``x [T, E]`` -> ``[T, F]``. Gathered (the routed experts, ``ids [T, k]``, route
-    weights ``[T, k]``): -> ``[T, k, F]``. For decode-sized T on the GPU one matvec launch reads both weights and
-    applies the activation; same results as :func:`ds4_mlx.model.moe.swiglu` over the two products.
+    weights ``[T, k]``): -> ``[T, k, F]``.
     """
-    from ds4_mlx.model.moe import swiglu
-
-    b, T = _pick(backend), x.shape[0]
+    T = x.shape[0]
     if gate.shape != up.shape or gate.qtype != up.qtype:
         raise ValueError(f"expert_swiglu: gate {gate.shape} {gate.qtype.name} and up {up.shape} {up.qtype.name} differ")
-    if not _mv_ok(b, T, gate) or gate.qtype not in MV_SWIGLU_TYPES:
-        g, u = (gate.matmul(x), up.matmul(x)) if ids is None else (gate.gather_matmul(x, ids), up.gather_matmul(x, ids))
-        mid = swiglu(g, u, clamp)
-        return mid if route_w is None else mid * route_w[..., None]
+    if not _mv_ok(backend, T, gate) or gate.qtype not in MV_SWIGLU_TYPES:
+        return None
     x2 = x if x.dtype == mx.float32 else x.astype(mx.float32)
     if ids is None:
-        return mv(gate, x2, b, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp))
+        return mv(gate, x2, backend, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp))
     k = ids.shape[1]
-    return mv(gate, x2, b, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
+    return mv(gate, x2, backend, ids=ids, k_slots=k, epi=MV_SWIGLU, w2=up, aux=route_w, clamp=float(clamp),
               shape=(T, k, gate.shape[1]))  # fmt: skip
 
 
 def expert_down_sum(
-    down: Any, mid: mx.array, ids: mx.array, add: mx.array | None = None, *, backend: str | None = None
-) -> mx.array:
+    down: Any, mid: mx.array, ids: mx.array, add: mx.array | None = None, *, backend: str
+) -> mx.array | None:
     """The routed experts' down projections summed per token (MODEL.md §4.8): ``mid [T, k, F]``, ``ids [T, k]``
-    -> ``sum_j down[ids[t, j]] @ mid[t, j]`` ``[T, E]``, plus ``add [T, E]`` (the shared expert) if given.
-    For decode-sized T on the GPU: one matvec launch instead of the gathered product, a reduction and an add."""
-    b, T = _pick(backend), mid.shape[0]
-    if not _mv_ok(b, T, down):
-        y = down.gather_matmul(mid, ids).sum(axis=1)
-        return y if add is None else y + add
+    -> ``sum_j down[ids[t, j]] @ mid[t, j]`` ``[T, E]``, plus ``add [T, E]`` (the shared expert) if given, in one
+    matvec launch; None where it does not run (the ``fallback`` backend, T = 0 or over MV_MAX_TOKENS, a weight
+    the kernels do not take)."""
+    T = mid.shape[0]
+    if not _mv_ok(backend, T, down):
+        return None
     x2 = mid if mid.dtype == mx.float32 else mid.astype(mx.float32)  # [T, k, F]: mv reads it flat
-    return mv(down, x2, b, ids=ids, k_slots=ids.shape[1], epi=MV_SUM, aux=add)
+    return mv(down, x2, backend, ids=ids, k_slots=ids.shape[1], epi=MV_SUM, aux=add)
 
 
 def takes_quantized_x(*weights: Any) -> bool:
@@ -1089,19 +972,19 @@ def takes_quantized_x(*weights: Any) -> bool:
 
 def experts_with_shared(
     gate: Any, up: Any, down: Any, shared_gate_up: Any, shared_down: Any, x: mx.array | Cols, ids: mx.array,
-    route_w: mx.array | None, clamp: float, *, xq: mx.array | Cols | None = None, backend: str | None = None,
+    route_w: mx.array | None, clamp: float, *, xq: mx.array | Cols | None = None, backend: str,
 ) -> mx.array | None:  # fmt: skip
-    """The whole expert part of the MoE (MODEL.md §4.8) in two matvec launches for decode-sized T on the GPU:
+    """The whole expert part of the MoE (MODEL.md §4.8) in two matvec launches for decode-sized T:
     ``sum_j down[ids_j] (route_w_j · swiglu(gate[ids_j] x, up[ids_j] x)) + shared_down · swiglu(shared x)``
     ``[T, E]``, the shared expert read by the routed launches (mv ``shared``) instead of two launches of its
-    own. ``shared_gate_up`` is its gate rows then its up rows. ``xq``: x quantized (:func:`hc_post_pre`), which
-    the gate+up launch reads instead of x where its weight types allow (``MV_XQ_TYPES``): integer dots, as
+    own. ``shared_gate_up`` is its gate rows then its up rows. ``xq``: x quantized (:func:`hc_pre` ``quantize``),
+    which the gate+up launch reads instead of x where its weight types allow (``MV_XQ_TYPES``): integer dots, as
     ds4-CUDA does (QUANTS.md §2.4); where both launches run as mv_reg.body, gate+up then writes mid quantized
     too and the down launch dots it in integers (ds4-CUDA quantizes mid as well). ``x`` and ``xq`` may be one
-    token's :class:`Cols` of HC pre's output row (:func:`hc_post_pre` ``cols``). ``ids [T, k]`` with
-    ``route_w [T, k]``, or :func:`moe_route`'s packed ``[T, 2k]`` with ``route_w`` None. None where the kernels
-    do not apply (the caller runs :func:`expert_swiglu` and :func:`expert_down_sum` then)."""
-    b, T = _pick(backend), 1 if isinstance(x, Cols) else x.shape[0]
+    token's :class:`Cols` of HC pre's output row. ``ids [T, k]`` with ``route_w [T, k]``, or :func:`moe_route`'s
+    packed ``[T, 2k]`` with ``route_w`` None. None where the kernels do not apply (the caller runs
+    :func:`expert_swiglu` and :func:`expert_down_sum` then)."""
+    b, T = backend, 1 if isinstance(x, Cols) else x.shape[0]
     F, E = gate.shape[-2:]
     if not (_mv_ok(b, T, gate, down, shared_gate_up, shared_down) and gate.qtype == up.qtype
             and gate.qtype in MV_SWIGLU_TYPES and shared_gate_up.shape == (2 * F, E)
@@ -1129,20 +1012,17 @@ def _sample_params(temperature: float, min_p: float) -> mx.array:
     return resident(_f32(temperature, min_p))
 
 
-def sample_token(logits: mx.array, temperature: float, min_p: float, u: mx.array, *,
-                 backend: str | None = None) -> mx.array:
-    """One id from ``logits`` f32 ``[V]`` with ds4's greedy (``temperature <= 0``) or top-k-off, top-p-1 draw:
-    :func:`ds4_mlx.sampling.sample_ops`, whose signature this is, in one launch. ``u`` f32 ``[1]``: the step's
-    uniform. Returns int32 ``[1]``."""
-    from ds4_mlx.sampling import sample_ops
-
-    b = _pick(backend)
+def sample_token(logits: mx.array, temperature: float, min_p: float, u: mx.array, *, backend: str) -> mx.array | None:
+    """One id from ``logits`` f32 ``[V]`` with ds4's greedy (``temperature <= 0``) or top-k-off, top-p-1 draw, in
+    one launch: int32 ``[1]``; None on the ``fallback`` backend. ``u`` f32 ``[1]``: the step's uniform; the id is
+    the first whose running sum of the weights ``exp((l - l_max) / T)`` kept by ``min_p`` reaches ``u`` times
+    their total."""
     if logits.ndim != 1 or logits.dtype != mx.float32:
         raise ValueError(f"sample_token: logits must be f32 [V], got {tuple(logits.shape)} {logits.dtype}")
     _check_f32("sample_token u", u, (1,))
-    if b == "fallback":
-        return sample_ops(logits, temperature, min_p, u)
-    return get_fused_kernel("sample", b)(
+    if backend == "fallback":
+        return None
+    return get_fused_kernel("sample", backend)(
         inputs=[logits, _sample_params(float(temperature), float(min_p)), u, kernel_counts(logits.shape[0], 0)],
         template=[("NT", SAMPLE_THREADS)],
         grid=(SAMPLE_THREADS, 1, 1),

@@ -25,6 +25,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from .backend import kernel_backend
+
 __all__ = [
     "SamplingParams",
     "DEFAULT_PARAMS",
@@ -246,12 +248,15 @@ def sample_ops(logits: mx.array, temperature: float, min_p: float, u: mx.array) 
 
 
 def sample_on_device(logits: mx.array, temperature: float, min_p: float, u: mx.array) -> mx.array:
-    """:func:`sample_ops` in one kernel launch where there is a GPU kernel backend (int32 ``[1]``, lazy).
-    ``logits`` may also be a numpy array."""
+    """:func:`sample_ops` in one kernel launch where there is a GPU kernel backend
+    (:func:`ds4_mlx.kernels.fused.sample_token`), else as MLX ops: int32 ``[1]``, lazy. ``logits`` may also be a
+    numpy array."""
     from .kernels import fused
 
     x = logits.reshape(-1) if isinstance(logits, mx.array) else mx.array(np.asarray(logits).reshape(-1))
-    return fused.sample_token(x if x.dtype == mx.float32 else x.astype(mx.float32), temperature, min_p, u)
+    x = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    token = fused.sample_token(x, temperature, min_p, u, backend=kernel_backend())
+    return sample_ops(x, temperature, min_p, u) if token is None else token
 
 
 class UniformStream:
@@ -259,8 +264,8 @@ class UniformStream:
     calls) and :meth:`device` (an f32 ``[1]`` view for :func:`sample_on_device`) both take the next value, so
     the k-th draw uses the k-th uniform whichever path it takes. Values reach the device in batches of
     :attr:`BATCH`: a new host array every step would be a page fault on the device's critical path under
-    MLX-CUDA (``fused.resident``). :meth:`seek` rewinds the stream by up to :attr:`BATCH` values (a pipelined
-    decode redrawing ids it had drawn ahead)."""
+    MLX-CUDA (:func:`ds4_mlx.kernels.fused.resident`). :meth:`seek` rewinds the stream by up to :attr:`BATCH`
+    values (a pipelined decode redrawing ids it had drawn ahead)."""
 
     BATCH = 256
 

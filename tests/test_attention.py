@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ds4_mlx.config import ModelConfig
 from ds4_mlx.model.attention import Attention, LayerCache, make_layer_cache
-from ds4_mlx.model.indexer import select_top_k, selected_indices
+from ds4_mlx.model.ops import select_top_k, selected_indices
 from ds4_mlx.weights import QuantWeight
 from test_numerics import np_fp4, np_fp8, np_fwht128  # NumPy references of the rounding steps
 

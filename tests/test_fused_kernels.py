@@ -1,5 +1,6 @@
-"""Fused kernels (custom_kernels/fused.py): HC pre / HC post / compressor window, and the decode step's
-attention, Q/KV rows, indexer query, indexer top-k and MoE router.
+"""Fused kernels (custom_kernels/fused.py) and the graph's fused operations that run them (ds4_mlx/model/fused.py):
+HC pre / HC post / compressor window, and the decode step's attention, Q/KV rows, indexer query, indexer top-k
+and MoE router.
 
 CPU (CI): the Metal instantiation of each body type-checks as MLX renders it (g++ + metal_shim.h), the CUDA
 instantiation compiles with nvcc, the wrapper's fallback equals the pure-MLX graph code (and a float64 numpy
@@ -18,15 +19,16 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from ds4_mlx.model import hyper
+from ds4_mlx import kernels
+from ds4_mlx.kernels import Cols
+from ds4_mlx.kernels.fused import kernel_counts, kernel_index  # and kernels.fused: the launches
+from ds4_mlx.model import fused, hyper
 from ds4_mlx.model.compressor import NEG, Compressor, CompressorState
+from ds4_mlx.model.ops import index_scores_reference
 from ds4_mlx.model.rope import Rope
 from ds4_mlx.numerics import RowRounding
-from ds4_mlx.kernels import fused
-from ds4_mlx.weights import QuantWeight, _kernels
+from ds4_mlx.weights import QuantWeight
 from kernel_util import BACKEND, gpu_only, gxx_metal_check, needs_gpu, nvcc_compile, render_metal_sources
-
-kernels = _kernels()
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,7 +99,7 @@ for i, (kind, template) in enumerate(fused.instantiations()):
 
 def test_metal_instantiations_typecheck(tmp_path):
     sources = render_metal_sources(RENDER_METAL)
-    templates = {fused.tag(k, t): t for k, t in fused.instantiations()}
+    templates = {kernels.fused.tag(k, t): t for k, t in kernels.fused.instantiations()}
     assert sorted(sources) == sorted(templates)
     for tag, src in sources.items():
         assert "#define DS_METAL" in src and "[[kernel]]" in src
@@ -113,40 +115,45 @@ def test_metal_instantiations_typecheck(tmp_path):
 
 
 def test_cuda_instantiations_compile(tmp_path):
-    insts = fused.instantiations()
-    r = nvcc_compile(fused.render_cuda_unit(insts), tmp_path, "fused")
+    insts = kernels.fused.instantiations()
+    r = nvcc_compile(kernels.fused.render_cuda_unit(insts), tmp_path, "fused")
     assert r.returncode == 0, r.stderr[-6000:]
     for kind, template in insts:
-        assert f"custom_kernel_ds_{fused.tag(kind, template)}" in r.stderr  # ptxas built every entry point
+        assert f"custom_kernel_ds_{kernels.fused.tag(kind, template)}" in r.stderr  # ptxas built every entry point
     assert "spill" not in r.stderr.replace("0 bytes spill", "")
 
 
 def test_cuda_check_catches_errors(tmp_path):
     """The nvcc check is not vacuous: a body error fails it."""
-    src = fused.render_cuda_unit([("hc_post", (("NHC", 4),))]).replace("const float yv", "const float yv = no_such;//")
+    src = kernels.fused.render_cuda_unit([("hc_post", (("NHC", 4),))])
+    src = src.replace("const float yv", "const float yv = no_such;//")
     r = nvcc_compile(src, tmp_path, "bad")
     assert r.returncode != 0 and "no_such" in r.stderr
 
 
 def test_rendered_sources_share_one_body():
-    for kind in fused.SPECS:
-        m, c = fused.render_body(kind, "metal"), fused.render_body(kind, "cuda")
+    f = kernels.fused
+    for kind in f.SPECS:
+        m, c = f.render_body(kind, "metal"), f.render_body(kind, "cuda")
         assert m[len(kernels.minify(kernels.METAL_PROLOGUE)):] == c[len(kernels.minify(kernels.CUDA_PROLOGUE)):]
-    assert fused.render_fused_header("metal").replace("DS_METAL", "DS_CUDA", 1) == fused.render_fused_header("cuda")
-    assert "#define HC_PRE_XQ 1" in fused.render_fused_header("cuda", "hc_pre_xq")
-    assert "HC_PRE_XQ 1" not in fused.render_fused_header("cuda", "hc_pre")
+    assert f.render_fused_header("metal").replace("DS_METAL", "DS_CUDA", 1) == f.render_fused_header("cuda")
+    assert "#define HC_PRE_XQ 1" in f.render_fused_header("cuda", "hc_pre_xq")
+    assert "HC_PRE_XQ 1" not in f.render_fused_header("cuda", "hc_pre")
 
 
 # --- fallback path and validation (CPU) -------------------------------------------------------------------
 
 
 def test_backend_follows_env(monkeypatch):
+    """Without a ``backend`` argument the fused operations run on ``$DS4_MLX_KERNELS``'s backend."""
+    S, fn, scale, base = hc_inputs(1, 32)
+    y, post, comb = mx.ones((1, 32)), mx.ones((1, 4)), mx.ones((1, 4, 4))
     monkeypatch.setenv("DS4_MLX_KERNELS", "fallback")
-    assert fused.backend() == "fallback"
+    assert mx.array_equal(fused.hc_post(S, y, post, comb), hyper.hc_post(S, y, post, comb))
     if not mx.cuda.is_available():
         monkeypatch.setenv("DS4_MLX_KERNELS", "cuda")
-        with pytest.raises(RuntimeError):
-            fused.backend()
+        with pytest.raises(RuntimeError, match="DS4_MLX_KERNELS=cuda"):
+            fused.hc_post(S, y, post, comb)
 
 
 def test_hc_fallback_is_the_graph_code(monkeypatch):
@@ -394,7 +401,7 @@ def test_hc_post_pre_quantized(T, E):
     got = fused.hc_post_pre(S, y, post, comb, fn, scale, base, cfg, norm=nw, quantize=True, backend=BACKEND)
     for g, p in zip(got[:4], plain[:4]):
         np.testing.assert_array_equal(np.array(g), np.array(p))
-    if T > fused.HC_PRE_SPLIT_MAX_T:
+    if T > kernels.fused.HC_PRE_SPLIT_MAX_T:
         assert got[4] is None
         return
     if BACKEND == "metal":  # no integer dot there: f32 x
@@ -480,7 +487,7 @@ def comp_write_inputs(R: int, W: int, at: int, seed: int = 0):
     score[rng.random(R) < 0.3] = NEG
     rows = [rng.standard_normal((1, W)).astype(np.float32) for _ in range(2)]
     ape = mx.array(rng.standard_normal((R, W)).astype(np.float32))[at % R : at % R + 1]  # a row view, as decode passes
-    return kv, score, rows, ape, fused.kernel_index(at)
+    return kv, score, rows, ape, kernel_index(at)
 
 
 def frontier(kv, score) -> mx.array:
@@ -516,7 +523,7 @@ def test_comp_write_validation():
 def test_decode_index_inputs_are_not_small_allocations():
     """A kernel's index input is int32 [8]: MLX-CUDA's allocations of up to 8 bytes read like host memory,
     where a 512 KB frontier write reading its row index took 18 µs instead of 2.3 (thirty-second session)."""
-    at = fused.kernel_index(5)
+    at = kernel_index(5)
     assert at.shape == (8,) and at.dtype == mx.int32 and np.array(at).tolist() == [5] + [0] * 7
     io = make_compressor(4, 64).decode_inputs(6)
     assert io["at"].nbytes > 8 and int(io["at"][0]) == 6 % 4 + 4
@@ -659,7 +666,7 @@ def test_pool_rounding_validation():
     # the kernel rounds only where it can (QAT: a 128-wide row); the MLX path rounds and casts the pooled rows
     kv, sc, norm, C, S, _, _ = pool_inputs(2, 4, 64, seed=1)
     r = RowRounding(qat=True, f16=True)
-    assert fused._rounding_template(r, 64) is None and fused._rounding_template(r, 128) is not None
+    assert kernels.fused._rounding_template(r, 64) is None and kernels.fused._rounding_template(r, 128) is not None
     r = RowRounding(fp8_dims=64, f16=True)
     got = fused.compressor_pool(kv, sc, norm, C, S, 1e-6, lanes=2, rounding=r, out_dtype=mx.float16, backend="fallback")
     plain = fused.compressor_pool(kv, sc, norm, C, S, 1e-6, lanes=2, backend="fallback")
@@ -719,7 +726,7 @@ def test_attend_one_fallback_vs_numpy(case):
     H, D, n_raw, cap, n_comp, k, kv16 = case
     q, raw, comp, idx, sinks, C, S = attn_inputs(H, D, n_raw, cap, n_comp, k, kv16, seed=n_raw + cap)
     scale = 1.0 / math.sqrt(D)
-    counts = fused.kernel_counts(n_raw, k or n_comp)
+    counts = kernel_counts(n_raw, k or n_comp)
     got = on_cpu(fused.attend_one, mx.array(q), mx.array(raw), None if comp is None else mx.array(comp),
                  None if idx is None else mx.array(idx), counts, mx.array(sinks), C, S, scale, backend="fallback")
     close(got, attn_numpy(q, raw, comp, idx, n_comp, sinks, C, S, scale), 2e-6)
@@ -728,7 +735,7 @@ def test_attend_one_fallback_vs_numpy(case):
 def test_attend_one_validation():
     q, raw, comp, idx, sinks, C, S = attn_inputs(4, 128, 16, 40, 30, 4, True)
     q, raw, comp, idx, sinks = map(mx.array, (q, raw, comp, idx, sinks))
-    counts = fused.kernel_counts(16, 4)
+    counts = kernel_counts(16, 4)
     with pytest.raises(ValueError, match="q must be"):
         fused.attend_one(q[0], raw, comp, idx, counts, sinks, C, S, 0.1)
     with pytest.raises(ValueError, match="comp must be"):
@@ -753,7 +760,7 @@ def test_attend_one_kernel(case):
     H, D, n_raw, cap, n_comp, k, kv16 = case
     q, raw, comp, idx, sinks, C, S = attn_inputs(H, D, n_raw, cap, n_comp, k, kv16, seed=H + n_raw + cap + k)
     args = (mx.array(q), mx.array(raw), None if comp is None else mx.array(comp), None if idx is None else mx.array(idx),
-            fused.kernel_counts(n_raw, k or n_comp), mx.array(sinks), C, S, 1.0 / math.sqrt(D))  # fmt: skip
+            kernel_counts(n_raw, k or n_comp), mx.array(sinks), C, S, 1.0 / math.sqrt(D))  # fmt: skip
     ref = on_cpu(fused.attend_one, *args, backend="fallback")
     got = fused.attend_one(*args, backend=BACKEND)
     close(got, ref, 2e-5)
@@ -767,7 +774,7 @@ def test_attend_one_kernel_simdgroups(nsg):
     case = ATTN_CASES[6] if BACKEND != "sim" else ATTN_CASES[4]  # V4 Flash's top-512 (the sim: a small one)
     H, D, n_raw, cap, n_comp, k, kv16 = case
     q, raw, comp, idx, sinks, C, S = attn_inputs(H, D, n_raw, cap, n_comp, k, kv16, seed=nsg)
-    args = (mx.array(q), mx.array(raw), mx.array(comp), mx.array(idx), fused.kernel_counts(n_raw, k), mx.array(sinks),
+    args = (mx.array(q), mx.array(raw), mx.array(comp), mx.array(idx), kernel_counts(n_raw, k), mx.array(sinks),
             C, S, 1.0 / math.sqrt(D))  # fmt: skip
     want = attn_numpy(q, raw, comp, idx, n_comp, sinks, C, S, args[-1])
     close(fused.attend_one(*args, nsg=nsg, backend=BACKEND), want, 2e-5)
@@ -801,7 +808,7 @@ TOPK_CASES = [(40, 30, 4, False), (40, 30, 4, True), (64, 13, 12, True), (2048, 
 @pytest.mark.parametrize("N,n,k,ties", TOPK_CASES)
 def test_top_k_rows_fallback_vs_numpy(N, n, k, ties):
     s = topk_scores(N, n, k, ties, seed=N + n)
-    got = on_cpu(fused.top_k_rows, mx.array(s), fused.kernel_counts(n, k), k, backend="fallback")
+    got = on_cpu(fused.top_k_rows, mx.array(s), kernel_counts(n, k), k, backend="fallback")
     assert got.dtype == mx.int32
     np.testing.assert_array_equal(np.array(got), topk_numpy(s, n, k))
 
@@ -823,13 +830,13 @@ def index_scores_numpy(iq, w, keys, scale):
 def test_index_scores_fallback_vs_numpy(H, D, N):
     iq, w, keys = index_scores_inputs(H, D, N, seed=H + N)
     scale = 1.0 / math.sqrt(H * D)
-    got = on_cpu(fused.index_scores, mx.array(iq), mx.array(w), mx.array(keys), fused.kernel_counts(N, 4), scale)
+    got = on_cpu(fused.index_scores, mx.array(iq), mx.array(w), mx.array(keys), kernel_counts(N, 4), scale)
     np.testing.assert_allclose(np.array(got), index_scores_numpy(iq, w, keys, scale), rtol=1e-5, atol=1e-6)
 
 
 def test_index_scores_validation():
     iq, w, keys = map(mx.array, index_scores_inputs(16, 128, 8))
-    counts = fused.kernel_counts(8, 4)
+    counts = kernel_counts(8, 4)
     with pytest.raises(ValueError, match="iq must be"):
         fused.index_scores(iq[0], w, keys, counts, 1.0)
     with pytest.raises(ValueError, match="keys"):
@@ -846,8 +853,8 @@ def test_index_scores_kernel(H, D, N, n):
     """The first n of N rows against the fallback (on the CPU device); 0 past them."""
     iq, w, keys = index_scores_inputs(H, D, N, seed=N + n)
     scale = 1.0 / math.sqrt(H * D)
-    ref = on_cpu(fused.index_scores_reference, mx.array(iq), mx.array(w), mx.array(keys), scale)
-    got = np.array(fused.index_scores(mx.array(iq), mx.array(w), mx.array(keys), fused.kernel_counts(n, 4), scale,
+    ref = on_cpu(index_scores_reference, mx.array(iq), mx.array(w), mx.array(keys), scale)
+    got = np.array(fused.index_scores(mx.array(iq), mx.array(w), mx.array(keys), kernel_counts(n, 4), scale,
                                       backend=BACKEND))  # fmt: skip
     close(got[:, :n], np.array(ref)[:, :n], 1e-5)
     assert not got[:, n:].any()
@@ -855,7 +862,7 @@ def test_index_scores_kernel(H, D, N, n):
 
 def test_top_k_rows_validation():
     with pytest.raises(ValueError, match="scores must be"):
-        fused.top_k_rows(mx.zeros((2, 8)), fused.kernel_counts(8, 2), 2)
+        fused.top_k_rows(mx.zeros((2, 8)), kernel_counts(8, 2), 2)
     with pytest.raises(ValueError, match="counts must be"):
         fused.top_k_rows(mx.zeros((1, 8)), mx.array([8, 2]), 2)
 
@@ -864,7 +871,7 @@ def test_top_k_rows_validation():
 @pytest.mark.parametrize("N,n,k,ties", TOPK_CASES)
 def test_top_k_rows_kernel(N, n, k, ties):
     s = topk_scores(N, n, k, ties, seed=N + n + 1)
-    got = fused.top_k_rows(mx.array(s), fused.kernel_counts(n, k), k, backend=BACKEND)
+    got = fused.top_k_rows(mx.array(s), kernel_counts(n, k), k, backend=BACKEND)
     np.testing.assert_array_equal(np.array(got), topk_numpy(s, n, k))
 
 
@@ -990,7 +997,7 @@ def test_moe_route_validation():
                                               (7, 16, 6, False, False), (3, 16, 6, True, True),
                                               (65, 256, 6, True, False), (2, 40, 8, True, False)])
 def test_moe_route_kernel(T, NE, k, norm, ties):
-    from ds4_mlx.model.moe import route_top_k
+    from ds4_mlx.model.ops import route_top_k
 
     logits, bias = route_inputs(T, NE, ties, seed=T + NE)
     ref_sel, ref_w = on_cpu(route_top_k, logits, bias, k, 1.5, norm)
@@ -999,7 +1006,7 @@ def test_moe_route_kernel(T, NE, k, norm, ties):
     close(w, ref_w, 2e-6)
     route, none = fused.moe_route(logits, bias, k, 1.5, norm, packed=True, backend=BACKEND)  # one output array
     assert none is None and route.shape == (T, 2 * k) and route.dtype == mx.int32
-    for a, b in zip(fused.unpack_route(route), (sel, w)):
+    for a, b in zip(kernels.fused.unpack_route(route), (sel, w)):
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
@@ -1010,7 +1017,7 @@ def test_experts_read_the_packed_route():
     E, F, NE, k = 256, 256, 8, 6
     logits, bias = route_inputs(1, NE, False, seed=5)
     route, _ = fused.moe_route(logits, bias, k, 1.5, True, packed=True, backend=BACKEND)
-    sel, w = fused.unpack_route(route)
+    sel, w = kernels.fused.unpack_route(route)
     gate, up = expert_weights(QT.IQ2_XXS, (NE, F, E), 2, seed=51)
     (down,) = expert_weights(QT.Q2_K, (NE, E, F), 1, seed=52)
     sgu = QuantWeight.stack_rows(expert_weights(QT.Q8_0, (F, E), 2, seed=53))
@@ -1087,7 +1094,7 @@ def expert_weights(qt: QT, shape: tuple, n: int, seed: int) -> list[QuantWeight]
 def test_expert_epilogue_fallbacks_are_the_graph_code():
     """On the fallback backend the wrappers are the MoE composition: two products + swiglu (× route weight),
     one gathered product summed over the slots (+ the addend)."""
-    from ds4_mlx.model.moe import swiglu
+    from ds4_mlx.model.ops import swiglu
 
     rng = np.random.default_rng(5)
     gate, up = expert_weights(QT.Q2_K, (8, 64, 256), 2, seed=5)
@@ -1186,7 +1193,7 @@ def test_experts_with_shared_kernel(qt, E, F, D, T, k, monkeypatch):
     """Routed experts and the shared expert in two launches (mv ``shared``) against the MoE's separate pieces
     on the CPU: the SwiGLU launch's shared rows, and the summed output; with x quantized too, where (IQ2_XXS
     experts on CUDA or sim) the gate+up launch hands the down launch its mid quantized."""
-    from ds4_mlx.model.moe import swiglu
+    from ds4_mlx.model.ops import swiglu
 
     rng = np.random.default_rng(F + D + T + int(qt))
     gate, up = expert_weights(qt, (E, F, D), 2, seed=int(qt) + 3)
@@ -1211,9 +1218,9 @@ def test_experts_with_shared_kernel(qt, E, F, D, T, k, monkeypatch):
     ref = on_cpu(fused.expert_down_sum, down, swiglu(g, u, clamp) * rw[..., None], ids, shared, backend="fallback")
     assert y.shape == (T, D)
     close(y, ref, 1e-5)
-    if fused.takes_quantized_x(gate, up, sgu):
-        launched, mv = [], fused.mv
-        monkeypatch.setattr(fused, "mv", lambda *a, **kw: launched.append(kw) or mv(*a, **kw))
+    if kernels.fused.takes_quantized_x(gate, up, sgu):
+        launched, mv = [], kernels.fused.mv
+        monkeypatch.setattr(kernels.fused, "mv", lambda *a, **kw: launched.append(kw) or mv(*a, **kw))
         yq = fused.experts_with_shared(gate, up, down, sgu, sd, x, ids, rw, clamp, xq=kernels.quantize_x(x),
                                        backend=BACKEND)  # fmt: skip
         close(yq, ref, 1e-3)
@@ -1233,24 +1240,24 @@ def test_cached_step_inputs_serve_any_thread(make, monkeypatch, in_other_thread)
     in current thread" otherwise). The copy's own eval must not disturb a step being built on the caller's."""
     from ds4_mlx.model import compressor
 
-    monkeypatch.setattr(fused, "_on_cuda", lambda: True)
-    fused.kernel_counts.cache_clear()
+    monkeypatch.setattr(kernels.fused, "_on_cuda", lambda: True)
+    kernel_counts.cache_clear()
     compressor.index_array.cache_clear()
-    f = {"kernel_counts": lambda: fused.kernel_counts(123457, 11), "index_array": lambda: compressor.index_array(98765)}[make]
+    f = {"kernel_counts": lambda: kernel_counts(123457, 11), "index_array": lambda: compressor.index_array(98765)}[make]
     pending = mx.arange(5) * 2  # a lazy op of this thread's stream, still unevaluated
     mine = f()
     theirs = in_other_thread(lambda: np.array(f() + 0))
     np.testing.assert_array_equal(np.array(mine), theirs)
     assert theirs[0] == {"kernel_counts": 123457, "index_array": 98765}[make]
     np.testing.assert_array_equal(np.array(pending), np.arange(5) * 2)
-    fused.kernel_counts.cache_clear()  # made with the forced path: not for later tests
+    kernel_counts.cache_clear()  # made with the forced path: not for later tests
     compressor.index_array.cache_clear()
 
 
 # --- Cols: one token's columns read in place -----------------------------------------------------------------
 
 
-def in_row(parts: list[mx.array], seed: int) -> tuple[mx.array, list[fused.Cols]]:
+def in_row(parts: list[mx.array], seed: int) -> tuple[mx.array, list[Cols]]:
     """The one-row arrays ``parts`` laid out in one wider row (with random columns around them, as in a stacked
     projection's output) and a Cols of each."""
     rng = np.random.default_rng(seed)
@@ -1261,7 +1268,7 @@ def in_row(parts: list[mx.array], seed: int) -> tuple[mx.array, list[fused.Cols]
         cols.append(at + 3)
         at += 3 + p.shape[1]
     row = mx.array(np.concatenate(pieces + [rng.standard_normal((1, 5)).astype(np.float32)], axis=1))
-    return row, [fused.Cols(row, c) for c in cols]
+    return row, [Cols(row, c) for c in cols]
 
 
 @pytest.mark.parametrize("b", ["fallback", BACKEND])
@@ -1279,7 +1286,7 @@ def test_comp_write_and_emit_read_cols(b):
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.array(g), np.array(w))
     with pytest.raises(ValueError, match="kv_row: columns"):
-        fused.compressor_write(fr, fused.Cols(cols[0].a, cols[0].a.shape[1] - 8), cols[1], ape, at_a, backend=b)
+        fused.compressor_write(fr, Cols(cols[0].a, cols[0].a.shape[1] - 8), cols[1], ape, at_a, backend=b)
 
 
 @pytest.mark.parametrize("b", ["fallback", BACKEND])
@@ -1294,7 +1301,7 @@ def test_qkv_rows_and_index_scores_read_cols(b):
             np.testing.assert_array_equal(np.array(g), np.array(w))
     iq, w, keys = index_scores_inputs(16, 128, 40, seed=2)
     _, (w_c,) = in_row([mx.array(w)], seed=2)
-    counts = fused.kernel_counts(33, 4)
+    counts = kernel_counts(33, 4)
     got = fused.index_scores(mx.array(iq), w_c, mx.array(keys), counts, 0.1, backend=b)
     want = fused.index_scores(mx.array(iq), mx.array(w), mx.array(keys), counts, 0.1, backend=b)
     np.testing.assert_array_equal(np.array(got), np.array(want))

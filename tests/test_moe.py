@@ -10,7 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from ds4_mlx.model.moe import MoE, route_weights, sqrt_softplus, topk_lowest_index
+from ds4_mlx.model.moe import MoE
+from ds4_mlx.model.ops import route_weights, sqrt_softplus, topk_lowest_index
 from ds4_mlx.quants import random_blocks
 from ds4_mlx.weights import QuantWeight
 
@@ -150,11 +151,11 @@ def test_topk_ties_go_to_lower_index():
 
 def test_topk_blocked_rows(monkeypatch):
     """Long prefills rank the tokens in blocks; the result must not depend on the block size."""
-    import ds4_mlx.model.moe as moe_mod
+    import ds4_mlx.model.ops as ops
 
     rng = np.random.default_rng(1)
     scores = rng.integers(0, 3, size=(37, 16)).astype(np.float32)
-    monkeypatch.setattr(moe_mod, "RANK_MAX_ELEMS", 5 * 16 * 16)  # blocks of 5 tokens
+    monkeypatch.setattr(ops, "RANK_MAX_ELEMS", 5 * 16 * 16)  # blocks of 5 tokens
     got = np.array(topk_lowest_index(mx.array(scores), K))
     np.testing.assert_array_equal(got, np.array([ref_topk(s, K) for s in scores]))
 

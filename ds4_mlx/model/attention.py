@@ -23,13 +23,16 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from ..backend import kernel_backend
 from ..config import ModelConfig
-from ..kernels import ATTN_CHUNK_DIMS, MV_MAX_TOKENS, attention_chunk
-from ..kernels.fused import Cols, attend_one, kernel_counts, qkv_rows, top_k_rows  # Metal/CUDA kernels; MLX on CPU
+from ..kernels import ATTN_CHUNK_DIMS, MV_MAX_TOKENS, Cols, attention_chunk
+from ..kernels.fused import kernel_counts
 from ..numerics import Numerics, get_numerics, kv_rounding
-from ..weights import QuantWeight, kernel_backend
+from ..weights import QuantWeight
 from .compressor import Compressor, CompressorState, index_array
-from .indexer import Indexer, select_top_k, selected_indices
+from .fused import attend_one, qkv_rows, top_k_rows  # kernels on the GPU, MLX on the CPU
+from .indexer import Indexer
+from .ops import attend, select_top_k, selected_indices
 from .rope import Rope, apply_rope
 
 # Prefill attention runs in blocks of queries whose score matrices (and gathered rows) fit in this many bytes,
@@ -165,37 +168,6 @@ def _append_rows(
         return buf, n
     buf = _reserve(buf, n, n + rows.shape[0], dtype, floor)
     return mx.slice_update(buf, rows.astype(buf.dtype), mx.array([n]), axes=(0,)), n + rows.shape[0]
-
-
-def attend(
-    q: mx.array, raw: mx.array, raw_mask: np.ndarray | None, comp: mx.array | None, gathered: mx.array | None,
-    comp_mask: mx.array | None, sinks: mx.array, scale: float,
-) -> mx.array:  # fmt: skip
-    """Softmax attention with a per-head sink logit ``sinks [H]`` in the denominator; every key is its own value.
-
-    Keys: ``raw [Mr, D]`` shared by the queries ``q [T, H, D]``, plus either ``comp [Nc, D]`` (shared) or
-    ``gathered [T, k, D]`` (per query); the masks are ``[T, Mr]`` and ``[T, Nc or k]`` (``None`` = all visible).
-    Returns ``o [T, H, D]`` (before the inverse RoPE).
-    """
-    T, H, _ = q.shape
-    s = [(q @ raw.T) * scale]  # [T, H, Mr]
-    masks = [mx.array(raw_mask) if raw_mask is not None else None]
-    if comp is not None:
-        s.append((q @ comp.T) * scale)  # [T, H, Nc]
-    if gathered is not None:
-        s.append((q @ gathered.swapaxes(1, 2)) * scale)  # [T, H, k]
-    masks.append(comp_mask)
-    logits = [mx.broadcast_to(sinks[None, :, None], (T, H, 1))]
-    for part, m in zip(s, masks):
-        logits.append(part if m is None else mx.where(m[:, None, :], part, -mx.inf))
-    p = mx.softmax(mx.concatenate(logits, axis=-1), axis=-1)  # [T, H, 1+Mr+Nc]; the sink carries no value
-    Mr = raw.shape[0]
-    o = p[..., 1 : 1 + Mr] @ raw  # [T, H, D]
-    if comp is not None:
-        o = o + p[..., 1 + Mr :] @ comp
-    if gathered is not None:
-        o = o + p[..., 1 + Mr :] @ gathered  # [T, H, k] @ [T, k, D]
-    return o
 
 
 def _split_cols(y: mx.array, sizes: tuple[int, ...]) -> list[Cols]:

@@ -24,9 +24,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..kernels.fused import Cols, compressor_emit, compressor_pool, compressor_write, kernel_index, resident
+from ..kernels import Cols
+from ..kernels.fused import kernel_index, resident
 from ..numerics import RowRounding
 from ..weights import QuantWeight
+from .fused import compressor_emit, compressor_pool, compressor_write
 from .rope import Rope
 
 

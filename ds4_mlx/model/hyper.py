@@ -4,8 +4,8 @@ The residual state of every token is ``n_hc`` streams of width ``n_embd`` (MODEL
 sublayer collapses them into one input with HC *pre* (§4.3) and expands its output back with HC
 *post* (§4.9); the final state is collapsed once more by the output HC head (§4.10).
 
-These are the pure-MLX versions, vectorized over T tokens. They are also the oracle for the fused
-hyper-connection kernel, so they keep small, explicit signatures.
+These are the pure-MLX versions, vectorized over T tokens: the fallback and the oracle of the fused
+hyper-connection kernels (:mod:`.fused`), so they keep small, explicit signatures.
 """
 
 from __future__ import annotations

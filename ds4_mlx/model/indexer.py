@@ -4,26 +4,26 @@
     w       = (indexer.proj @ n) / sqrt(128 * H_i)        [H_i]
     score_c = sum_h w_h * relu(K_c . iq_h)               over the visible rows c < (p+1)//4
 
-and the top-k rows by (score descending, index ascending) are selected; ds4 breaks ties by the lower index
-(``indexer_allowed_decode_one()``). MLX documents no tie order for ``topk``/``argpartition``, so the
-selection is built from the k-th largest *value* (a multiset, order-free) plus an explicit cumulative
-count of the ties. When a query sees ``<= top_k`` rows, all of them are visible and nothing is scored.
+and the top-k rows by (score descending, index ascending) are selected (:func:`.ops.select_top_k`; in decode
+:func:`.fused.top_k_rows`); ds4 breaks ties by the lower index (``indexer_allowed_decode_one()``). MLX
+documents no tie order for ``topk``/``argpartition``, so the selection is built from the k-th largest *value*
+(a multiset, order-free) plus an explicit cumulative count of the ties. When a query sees ``<= top_k`` rows,
+all of them are visible and nothing is scored.
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import mlx.core as mx
-import numpy as np
 
 from ..backend import kernel_backend
 from ..config import ModelConfig
-from ..kernels.fused import index_query, index_scores, index_scores_reference  # Metal/CUDA kernels; MLX on CPU
 from ..kernels import index_scores_chunk
 from ..numerics import Numerics, indexer_rounding
 from .compressor import Compressor
+from .fused import index_query, index_scores  # kernels on the GPU, MLX on the CPU
+from .ops import index_scores_reference
 from .rope import Rope
 
 
@@ -50,8 +50,8 @@ class Indexer:
     ) -> mx.array:
         """``score [T, N]`` of the indexer rows ``keys [N, 128]``; ``qa [T, q_lora]`` the attention's ``attn_q_a n``
         before its norm, ``hw`` = :meth:`head_weights`, ``C, S [T, 128]`` the queries' RoPE tables. Decode
-        passes ``counts`` (:func:`kernel_counts`): only the first ``counts[0]`` rows need scores, in one fused
-        launch."""
+        passes ``counts`` (:func:`ds4_mlx.kernels.fused.kernel_counts`): only the first ``counts[0]`` rows need
+        scores, in one fused launch."""
         qb = self.wq_b.matmul_rms(qa, self.q_norm, self.eps)  # indexer.attn_q_b @ qr
         iq = index_query(qb, C, S, self.n_head, self.numerics.indexer_qat)  # [T, H_i, 128]
         if counts is not None:
@@ -65,45 +65,3 @@ class Indexer:
         """Whether a chunk's scores run as one fused launch (``index_mm``: no [T, H_i, N] head scores in memory).
         Its bf16 tiles hold the FP4-simulated queries and rows exactly, so only with the QAT profile."""
         return self.numerics.indexer_qat and 128 % self.n_head == 0 and kernel_backend() != "fallback"
-
-
-def select_top_k(scores: mx.array, n_visible: np.ndarray, k: int) -> mx.array:
-    """Boolean ``[T, N]``: per query, the top ``k`` of its first ``n_visible[t]`` rows, ties to the lower index.
-
-    Rows beyond ``n_visible`` are never selected; a query with ``n_visible <= k`` gets all its rows.
-    """
-    T, N = scores.shape
-    n_visible = np.asarray(n_visible).reshape(T, 1)
-    visible = None
-    if n_visible.min() < N:
-        scores, visible = _hide_invisible(scores, mx.array(n_visible, dtype=mx.int32))
-    if N <= k:
-        return visible if visible is not None else mx.ones((T, N), mx.bool_)
-    kth = mx.topk(scores, k, axis=-1).min(axis=-1, keepdims=True)  # k-th largest value: order-free   [T, 1]
-    sel = _top_with_ties(scores, kth, mx.array(k, dtype=mx.int32))
-    return sel if visible is None else sel & visible
-
-
-@partial(mx.compile, shapeless=True)
-def _hide_invisible(scores: mx.array, n_visible: mx.array) -> tuple[mx.array, mx.array]:
-    """Scores of rows ``c >= n_visible`` set to -inf; also returns the visibility mask."""
-    c = mx.cumsum(mx.ones_like(scores, dtype=mx.int32), axis=-1) - 1  # row index (shapeless-friendly arange)
-    visible = c < n_visible
-    return mx.where(visible, scores, -mx.inf), visible
-
-
-@partial(mx.compile, shapeless=True)
-def _top_with_ties(scores: mx.array, kth: mx.array, k: mx.array) -> mx.array:
-    """Everything above the k-th largest value, plus the lowest-index ties that still fit."""
-    above = scores > kth
-    tie = scores == kth
-    need = k - above.sum(axis=-1, keepdims=True)  # how many ties still fit
-    return above | (tie & (mx.cumsum(tie.astype(mx.int32), axis=-1) <= need))
-
-
-def selected_indices(mask: mx.array, k: int) -> mx.array:
-    """The ``k`` selected row indices of a ``[T, N]`` mask with exactly ``k`` True per row, ascending."""
-    N = mask.shape[-1]
-    c = mx.arange(N)[None, :]
-    key = mx.where(mask, c, N + c)  # distinct keys: the selected rows are the k smallest
-    return mx.sort(mx.argpartition(key, k - 1, axis=-1)[:, :k], axis=-1)

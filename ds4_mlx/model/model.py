@@ -15,9 +15,10 @@ from typing import Any, Callable, Sequence
 import mlx.core as mx
 
 from ..config import ModelConfig
+from ..kernels.fused import fault_in
 from ..numerics import Numerics, get_numerics
-from ..kernels.fused import fault_in, hc_post, hc_post_pre, hc_pre  # fused kernels; .hyper on the CPU
 from .attention import Attention, DecodeKey, LayerCache, make_layer_cache
+from .fused import hc_post, hc_post_pre, hc_pre  # kernels on the GPU, .hyper on the CPU
 from .hyper import hc_head
 from .moe import MoE
 

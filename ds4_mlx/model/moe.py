@@ -2,100 +2,23 @@
 and the shared expert (MODEL.md §4.8, ds4 ``layer_ffn_one()``).
 
 Routed experts run through ``QuantWeight.gather_matmul`` so only the selected experts' blocks are
-read; the expert tensors stay in their GGUF quantization.
+read; the expert tensors stay in their GGUF quantization. The router's and the activation's math is in
+:mod:`.ops`; :mod:`.fused` runs router and experts as kernels on the GPU.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from ..backend import kernel_backend
 from ..config import ModelConfig
-from ..kernels.fused import (cols, expert_down_sum, expert_swiglu, experts_with_shared, moe_route, takes_quantized_x,
-                             unpack_route)
-from ..kernels import MV_MAX_TOKENS, mm_gather, mm_gather_swiglu, routes_for, supports
+from ..kernels import MV_MAX_TOKENS, cols, mm_gather, mm_gather_swiglu, routes_for, supports
+from ..kernels.fused import takes_quantized_x, unpack_route
 from ..weights import QuantWeight
-
-ROUTE_SUM_FLOOR = 6.103515625e-5  # ds4's floor on the sum of the selected probabilities (2^-14)
-RANK_MAX_ELEMS = 1 << 25  # largest [T, N, N] comparison block of the top-k selection
-
-
-@mx.compile
-def sqrt_softplus(x: mx.array) -> mx.array:
-    """``sqrt(softplus(x))`` with ds4's thresholds: softplus(x) = x if x > 20, exp(x) if x < -20."""
-    sp = mx.where(x > 20.0, x, mx.where(x < -20.0, mx.exp(x), mx.log1p(mx.exp(mx.minimum(x, 20.0)))))
-    return mx.sqrt(sp)
-
-
-@lru_cache(maxsize=None)
-def _iota(n: int) -> mx.array:
-    """``0..n-1`` made on the host: a constant of a compiled step, not an op in every replay."""
-    return mx.array(np.arange(n, dtype=np.int32))
-
-
-@mx.compile
-def _ranks(scores: mx.array, idx: mx.array) -> mx.array:
-    """Rank of every entry of ``scores [T, N]`` in (score descending, index ascending) order: ``[T, N]``;
-    ``idx`` is ``0..N-1``."""
-    this, other = scores[:, :, None], scores[:, None, :]  # [T, N, 1], [T, 1, N]
-    beats = (other > this) | ((other == this) & (idx[None, :] < idx[:, None]))  # [T, N, N]: e' ahead of e
-    return beats.astype(mx.int32).sum(axis=-1)  # a permutation of 0..N-1 per row
-
-
-def topk_lowest_index(scores: mx.array, k: int) -> mx.array:
-    """Indices of the k largest ``scores [T, N]`` -> int32 ``[T, k]``, by descending score.
-
-    Ties go to the lower index, as ds4's ``topk_desc()`` does (repeated strict-``>`` arg-max). MLX
-    documents no tie order for ``topk``/``argsort``, so the order is made explicit: each entry's rank
-    counts the entries ahead of it (higher score, or equal score and lower index). The ranks are
-    distinct, so sorting them is unambiguous. (O(N²) per token, a few kernels: N = 256 experts.)
-    """
-    T, N = scores.shape
-    step = max(1, RANK_MAX_ELEMS // (N * N))  # bound the [T, N, N] comparison tensor in long prefills
-    ranks = [_ranks(scores[i : i + step], _iota(N)) for i in range(0, T, step)]
-    ranks = ranks[0] if len(ranks) == 1 else mx.concatenate(ranks)
-    return mx.argsort(ranks, axis=-1)[:, :k].astype(mx.int32)
-
-
-def route_weights(prob_sel: mx.array, scale: float, norm: bool) -> mx.array:
-    """Route weights from the selected unbiased probabilities ``[T, k]`` (§4.8 step 5)."""
-    if norm:
-        prob_sel = prob_sel / mx.maximum(prob_sel.sum(axis=-1, keepdims=True), ROUTE_SUM_FLOOR)
-    return prob_sel * scale
-
-
-def route_top_k(
-    logits: mx.array, bias: mx.array | None, k: int, scale: float, norm: bool
-) -> tuple[mx.array, mx.array]:
-    """Top-k routing of ``logits [T, n_expert]`` -> (expert ids int32 ``[T, k]``, weights ``[T, k]``): the
-    bias shifts the selection only (§4.8). The pure-MLX oracle of the fused ``moe_route`` kernel."""
-    prob = sqrt_softplus(logits)  # [T, n_expert]
-    sel = topk_lowest_index(prob if bias is None else prob + bias, k)  # [T, k]
-    return sel, route_weights(mx.take_along_axis(prob, sel, axis=-1), scale, norm)
-
-
-@mx.compile
-def _swiglu_clamped(g: mx.array, u: mx.array, lo: mx.array, hi: mx.array) -> mx.array:
-    g = mx.minimum(g, hi)
-    u = mx.clip(u, lo, hi)
-    return g * mx.sigmoid(g) * u
-
-
-@lru_cache(maxsize=None)
-def _scalar(v: float) -> mx.array:
-    return mx.array(v, dtype=mx.float32)
-
-
-def swiglu(g: mx.array, u: mx.array, clamp: float) -> mx.array:
-    """``silu(min(g, c)) * clamp(u, -c, c)`` (ds4 ``swiglu()``, applied to routed and shared experts)."""
-    if clamp > 0:
-        # -c is a host constant too: negated inside, it would be one more launch in every compiled step
-        return _swiglu_clamped(g, u, _scalar(-float(clamp)), _scalar(float(clamp)))
-    return g * mx.sigmoid(g) * u
+from .fused import expert_down_sum, expert_swiglu, experts_with_shared, moe_route  # kernels on the GPU, MLX on the CPU
+from .ops import route_weights, sqrt_softplus, swiglu
 
 
 class MoE:
