@@ -7,8 +7,10 @@ Public API (mlx-lm style)::
     print(generate(model, tokenizer, "Hello", max_tokens=64))
 """
 
+import importlib as _importlib
 import importlib.util as _ilu
 import sys as _sys
+import types as _types
 from pathlib import Path as _Path
 
 
@@ -51,23 +53,45 @@ def _batch_cuda_graphs() -> None:
 
 _batch_cuda_graphs()
 
-from .config import ModelConfig  # noqa: E402
-from .generate import generate, stream_generate  # noqa: E402
-from .gguf_file import DS4FormatError, GGUFModel, load_weights, open_gguf  # noqa: E402
-from .loader import load  # noqa: E402
-from .session import Session  # noqa: E402
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "DS4FormatError",
-    "GGUFModel",
-    "ModelConfig",
-    "Session",
-    "generate",
-    "load",
-    "load_weights",
-    "open_gguf",
-    "stream_generate",
-    "__version__",
-]
+#: The public API, imported on first use (PEP 562): ``import ds4_mlx.kernels`` (or any leaf module) does not
+#: pull in the model, sessions and generation. Name -> the submodule that defines it.
+_LAZY = {
+    "DS4FormatError": "gguf_file",
+    "GGUFModel": "gguf_file",
+    "ModelConfig": "config",
+    "Session": "session",
+    "generate": "generate",
+    "load": "loader",
+    "load_weights": "gguf_file",
+    "open_gguf": "gguf_file",
+    "stream_generate": "generate",
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+class _Package(_types.ModuleType):
+    """The package's module type: ``ds4_mlx.generate`` stays the function. Importing a submodule binds it on its
+    package, and the submodule ``generate`` would otherwise hide the function of that name."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "generate" and isinstance(value, _types.ModuleType):
+            value = value.generate
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
