@@ -10,25 +10,22 @@ The backend is chosen at call time (:func:`ds4_mlx.backend.kernel_backend`: ``DS
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ds4_mlx import quants
+from ds4_mlx import host, quants
 from ds4_mlx.backend import kernel_backend, set_kernel_backend  # noqa: F401 (set_kernel_backend: public here too)
 
-#: Held by every evaluation of the package's that may run while a decode step is being built on another thread:
-#: the :class:`~ds4_mlx.session.StepEncoder`'s worker holds it to queue a step, :meth:`QuantWeight.derived` to
-#: make a weight's derived form on first use (e.g. the indexer's weights, first read at ~2K tokens). MLX's
-#: encoders are not thread-safe: on the H200 the two evaluating at once crashed the process (double free,
-#: segfault; benchmarks/RESULTS.md, twenty-seventh session).
-EVAL_LOCK = threading.Lock()
+EVAL_LOCK = host.EVAL_LOCK  # see ds4_mlx.host
 
 # Largest f32 weight slab (elements) the fallback dequantizes at once: 2**26 floats = 256 MiB.
 FALLBACK_MAX_ELEMS = 1 << 26
+# The numpy path (ds4_mlx.host) keeps a weight's f32 form after first use up to this size (2**24 floats =
+# 64 MiB): every weight of the demo model, none of the real model's big ones.
+HOST_CACHE_ELEMS = 1 << 24
 
 
 @functools.cache
@@ -206,16 +203,33 @@ class QuantWeight:
         backend = kernel_backend()
         if backend != "fallback" and _kernels().supports(self):
             w = _kernels().dequantize(self, backend)
+        elif host.wanted(x.shape[1]):
+            xn = host.to_numpy(x)[0]
+            return mx.array(np.stack([xn[g] @ self.host_f32(g, g + 1)[0].T for g in range(x.shape[0])]))
         else:
             w = self.dequantize()
         return x.astype(mx.float32) @ w.swapaxes(1, 2)
 
-    # --- pure-MLX fallback ------------------------------------------------------------------------------
+    # --- pure-MLX fallback, numpy for chunks on the CPU (ds4_mlx.host) ------------------------------------
+
+    def host_f32(self, i0: int = 0, i1: int | None = None) -> np.ndarray:
+        """Rows ``i0:i1`` along the first axis (matrices, for a 3-D weight) as a float32 numpy array, exactly the
+        GGUF values. The whole weight is kept after first use when it has at most HOST_CACHE_ELEMS values."""
+        whole = self._cache.get("host_f32")
+        if whole is None and int(np.prod(self.shape)) <= HOST_CACHE_ELEMS:
+            whole = self._cache["host_f32"] = host.to_numpy(self.dequantize())[0]
+        if whole is not None:
+            return whole[i0:i1]
+        return host.to_numpy(quants.dequantize(self.data[i0:i1], self.qtype))[0]
 
     def _fallback_matmul(self, x: mx.array) -> mx.array:
         x = x.astype(mx.float32)
         out, n_in = self.shape
         step = max(1, FALLBACK_MAX_ELEMS // n_in)  # dequantize at most ~256 MiB of rows at a time
+        if host.wanted(x.size // n_in):
+            xn = host.to_numpy(x)[0].reshape(-1, n_in)
+            y = np.concatenate([xn @ self.host_f32(r0, r0 + step).T for r0 in range(0, out, step)], axis=1)
+            return mx.array(y).reshape(*x.shape[:-1], out)
         parts = []
         for r0 in range(0, out, step):
             w = quants.dequantize(self.data[r0 : r0 + step], self.qtype)  # (rows, in) f32
@@ -233,6 +247,8 @@ class QuantWeight:
         xp = xp.reshape(P, 1, n_in)  # one row per (token, slot) pair
         flat = ids.reshape(P).astype(mx.int32)
 
+        if host.wanted(N):
+            return mx.array(self.host_gather_matmul(*host.to_numpy(xp.reshape(P, n_in), ids))).reshape(out_shape)
         if P * out * n_in <= FALLBACK_MAX_ELEMS:
             # Small batch: gather the selected experts' bytes, dequantize only those.
             w = quants.dequantize(self.data[flat], self.qtype)  # (P, out, in)
@@ -258,3 +274,21 @@ class QuantWeight:
         inv = np.empty(P, dtype=np.int32)
         inv[order] = np.arange(P, dtype=np.int32)
         return mx.concatenate(parts, axis=0)[mx.array(inv)].reshape(out_shape)
+
+    def host_gather_matmul(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """:meth:`gather_matmul` in numpy for ``x [P, in]`` (one row per pair) and ``ids`` (``P`` expert ids, any
+        shape) -> ``[P, out]``: the pairs grouped by expert, one product per expert."""
+        ids = ids.reshape(-1)
+        y = np.empty((ids.size, self.out_features), np.float32)
+        for e, pairs in expert_groups(ids, self.shape[0]):
+            y[pairs] = x[pairs] @ self.host_f32(e, e + 1)[0].T
+        return y
+
+
+def expert_groups(ids: np.ndarray, n_expert: int) -> list[tuple[int, np.ndarray]]:
+    """``(expert, indices of the ids that name it)`` for each expert in the flat ``ids``, in expert order."""
+    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+        raise IndexError(f"gather_matmul: expert id out of range [0, {n_expert})")
+    order = np.argsort(ids, kind="stable")
+    experts, starts = np.unique(ids[order], return_index=True)
+    return [(int(e), pairs) for e, pairs in zip(experts, np.split(order, starts[1:]))]

@@ -354,12 +354,16 @@ def test_chunked_prefill_equals_decode(profile, R, il, T):
     full, c2 = run_chunks(attn, x, [T])
     chunks = odd_chunks(T, sizes=(3, 1, 7, 5, 2, 13, 6, 9) if R == 16 else (37, 1, 90, 3, 77))
     chk, c3 = run_chunks(attn, x, chunks)
-    assert rel_err(full, dec) < 1e-5 and rel_err(chk, dec) < 1e-5, (rel_err(full, dec), rel_err(chk, dec))
+    # Chunks of >= 64 tokens multiply in numpy on the CPU (ds4_mlx.host), decode in MLX: another summation order,
+    # which the ds4 profile's FP8/f16 row rounding can move by one rounding step in a few elements.
+    tol = 1e-5 if profile == "hf" else 3e-5
+    assert rel_err(full, dec) < tol and rel_err(chk, dec) < tol, (rel_err(full, dec), rel_err(chk, dec))
+    rows_tol = {"atol": 1e-5, "rtol": 0 if profile == "hf" else 2**-10}  # ds4: f16 rows, one rounding step apart
     for c in (c2, c3):
         assert (c.pos, c.n_raw, c.n_comp, c.n_index) == (c1.pos, c1.n_raw, c1.n_comp, c1.n_index)
-        np.testing.assert_allclose(np.array(c.raw), np.array(c1.raw), atol=1e-5)
+        np.testing.assert_allclose(np.array(c.raw), np.array(c1.raw), **rows_tol)
         if c.comp_state is not None:
-            np.testing.assert_allclose(np.array(c.comp_rows), np.array(c1.comp_rows), atol=1e-5)
+            np.testing.assert_allclose(np.array(c.comp_rows), np.array(c1.comp_rows), **rows_tol)
             np.testing.assert_allclose(np.array(c.comp_state.kv), np.array(c1.comp_state.kv), atol=1e-5)
             np.testing.assert_array_equal(np.array(c.comp_state.score) == -1e30, np.array(c1.comp_state.score) == -1e30)
     # f16r makes cached KV rows f16-exact, so the ds4 profile stores them as f16 (lossless); hf keeps f32

@@ -11,14 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
+
+from .. import host
 
 from ..backend import kernel_backend
 from ..config import ModelConfig
 from ..kernels import MV_MAX_TOKENS, cols, mm_gather, mm_gather_swiglu, routes_for, supports
 from ..kernels.fused import takes_quantized_x, unpack_route
-from ..weights import QuantWeight
+from ..weights import QuantWeight, expert_groups
 from .fused import expert_down_sum, expert_swiglu, experts_with_shared, moe_route  # kernels on the GPU, MLX on the CPU
-from .ops import route_weights, sqrt_softplus, swiglu
+from .ops import route_weights, sqrt_softplus, swiglu, swiglu_host
 
 
 class MoE:
@@ -64,7 +67,10 @@ class MoE:
 
     def routed(self, n: mx.array, sel: mx.array, w: mx.array, add: mx.array | None = None) -> mx.array:
         """Routed experts: ``sum_i W_down[e_i] (swiglu(W_gate[e_i] n, W_up[e_i] n) * w_i)`` (+ ``add``) -> [T, E]."""
-        y = self._routed_chunk(n, sel, w)
+        if host.wanted(sel.shape[0]) and kernel_backend() == "fallback":
+            y = self._routed_host(n, sel, w)
+        else:
+            y = self._routed_chunk(n, sel, w)
         if y is None:
             # route weight before down (ds4); on the GPU each line is one matvec launch for decode
             mid = expert_swiglu(self.ffn_gate_exps, self.ffn_up_exps, n, self.clamp, sel, w)  # [T, k, F]
@@ -86,6 +92,19 @@ class MoE:
                                route_w=w.reshape(-1), routes=routes)  # [T*k, F]  fmt: skip
         y = mm_gather(self.ffn_down_exps, mid, flat, k, backend, routes=routes)  # [T*k, E]
         return y.reshape(T, k, -1).sum(axis=1)
+
+    def _routed_host(self, n: mx.array, sel: mx.array, w: mx.array) -> mx.array:
+        """The routed experts of a chunk on the CPU, in numpy (:mod:`ds4_mlx.host`): the pairs grouped by expert
+        once, then each expert's gate, up, SwiGLU, route weight and down over its own rows."""
+        T, k = sel.shape
+        x, ids, rw = host.to_numpy(n, sel, w)
+        ids, rw = ids.reshape(-1), rw.reshape(-1, 1)
+        y = np.empty((T * k, self.ffn_down_exps.out_features), np.float32)
+        for e, pairs in expert_groups(ids, self.cfg.n_expert):
+            xe = x[pairs // k]  # the pairs' tokens
+            gate, up = (xe @ m.host_f32(e, e + 1)[0].T for m in (self.ffn_gate_exps, self.ffn_up_exps))
+            y[pairs] = (swiglu_host(gate, up, self.clamp) * rw[pairs]) @ self.ffn_down_exps.host_f32(e, e + 1)[0].T
+        return mx.array(y.reshape(T, k, -1).sum(axis=1))
 
     def shared(self, n: mx.array) -> mx.array:
         """Shared expert with the same clamped SwiGLU -> [T, E]."""

@@ -5,7 +5,7 @@
   top-k rows, ties to the lower row (§4.7);
 - :func:`route_top_k`: the top-k router (§4.8) and its parts, :func:`sqrt_softplus`, :func:`topk_lowest_index`
   and :func:`route_weights`;
-- :func:`swiglu`: the experts' clamped SwiGLU (§4.8).
+- :func:`swiglu`: the experts' clamped SwiGLU (§4.8), and :func:`swiglu_host` in numpy.
 
 Prefill runs them as they are; on the kernel backends a decode step runs their fused kernels instead, and the
 tests hold those kernels against these functions.
@@ -17,6 +17,8 @@ from functools import lru_cache, partial
 
 import mlx.core as mx
 import numpy as np
+
+from .. import host
 
 
 # --- attention --------------------------------------------------------------------------------------------
@@ -30,9 +32,11 @@ def attend(
 
     Keys: ``raw [Mr, D]`` shared by the queries ``q [T, H, D]``, plus either ``comp [Nc, D]`` (shared) or
     ``gathered [T, k, D]`` (per query); the masks are ``[T, Mr]`` and ``[T, Nc or k]`` (``None`` = all visible).
-    Returns ``o [T, H, D]`` (before the inverse RoPE).
+    Returns ``o [T, H, D]`` (before the inverse RoPE). Chunks on the CPU run in numpy (:mod:`ds4_mlx.host`).
     """
     T, H, _ = q.shape
+    if host.wanted(T):
+        return _attend_host(q, raw, raw_mask, comp, gathered, comp_mask, sinks, scale)
     s = [(q @ raw.T) * scale]  # [T, H, Mr]
     masks = [mx.array(raw_mask) if raw_mask is not None else None]
     if comp is not None:
@@ -53,11 +57,45 @@ def attend(
     return o
 
 
+def _attend_host(
+    q: mx.array, raw: mx.array, raw_mask: np.ndarray | None, comp: mx.array | None, gathered: mx.array | None,
+    comp_mask: mx.array | None, sinks: mx.array, scale: float,
+) -> mx.array:  # fmt: skip
+    """:func:`attend` in numpy, the heads of all queries in one product per key set."""
+    T, H, D = q.shape
+    extra = [a for a in (comp, gathered, comp_mask) if a is not None]
+    q, raw, sinks, *extra = host.to_numpy(q, raw, sinks, *extra)
+    comp, gathered, comp_mask = (extra.pop(0) if a is not None else None for a in (comp, gathered, comp_mask))
+    q = q * np.float32(scale)
+    parts = [(q.reshape(T * H, D) @ raw.T).reshape(T, H, -1)]  # [T, H, Mr]
+    masks = [raw_mask]
+    if comp is not None:
+        parts.append((q.reshape(T * H, D) @ comp.T).reshape(T, H, -1))  # [T, H, Nc]
+    if gathered is not None:
+        parts.append(q @ gathered.swapaxes(1, 2))  # [T, H, k]
+    masks.append(comp_mask)
+    parts = [p if m is None else np.where(m[:, None, :], p, -np.inf) for p, m in zip(parts, masks)]
+    top = np.maximum(sinks[None, :], np.max([p.max(axis=-1) for p in parts], axis=0))[..., None]  # [T, H, 1]
+    probs = [np.exp(p - top) for p in parts]
+    denom = np.exp(sinks[None, :, None] - top) + sum(p.sum(axis=-1, keepdims=True) for p in probs)
+    o = (probs[0].reshape(T * H, -1) @ raw).reshape(T, H, D)
+    if comp is not None:
+        o += (probs[1].reshape(T * H, -1) @ comp).reshape(T, H, D)
+    if gathered is not None:
+        o += probs[1] @ gathered  # [T, H, k] @ [T, k, D]
+    return mx.array(o / denom)
+
+
 # --- indexer ----------------------------------------------------------------------------------------------
 
 
 def index_scores_reference(iq: mx.array, w: mx.array, keys: mx.array, scale: float) -> mx.array:
     """``score [T, N] = sum_h w[t, h] * scale * relu(keys . iq[t, h])`` for ``iq [T, H, D]``, ``w [T, H]``, ``keys [N, D]``."""
+    T, H, D = iq.shape
+    if host.wanted(T):  # numpy on the CPU (ds4_mlx.host): all heads of all queries in one product
+        iq, w, keys = host.to_numpy(iq, w, keys)
+        dots = np.maximum((iq.reshape(T * H, D) @ keys.T).reshape(T, H, -1), 0)
+        return mx.array(np.einsum("thn,th->tn", dots, w * np.float32(scale)))
     # The head sum as multiply + reduce, not a [1, H] @ [H, N] product: one fused elementwise op and a reduction
     # instead of two ops and a cuBLAS call (~40 µs of host time each on MLX-CUDA).
     return (mx.maximum(iq @ keys.T, 0.0) * (w * scale)[:, :, None]).sum(axis=1)
@@ -170,6 +208,13 @@ def _swiglu_clamped(g: mx.array, u: mx.array, lo: mx.array, hi: mx.array) -> mx.
     g = mx.minimum(g, hi)
     u = mx.clip(u, lo, hi)
     return g * mx.sigmoid(g) * u
+
+
+def swiglu_host(g: np.ndarray, u: np.ndarray, clamp: float) -> np.ndarray:
+    """:func:`swiglu` in numpy (:mod:`ds4_mlx.host`)."""
+    if clamp > 0:
+        g, u = np.minimum(g, np.float32(clamp)), np.clip(u, np.float32(-clamp), np.float32(clamp))
+    return g * host.sigmoid(g) * u
 
 
 @lru_cache(maxsize=None)
