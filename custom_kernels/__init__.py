@@ -114,7 +114,7 @@ class RegLaunch(NamedTuple):
 
 
 #: The matvecs mv_reg.body runs, per epilogue. H200, Nsight Compute, µs against mv.body's launch at its default
-#: (benchmarks/RESULTS.md, twenty-seventh to thirty-first sessions):
+#: (measured one kernel at a time):
 #: - gate+up of 6 routed pairs of 2048 × 4096 IQ2_XXS and the Q8_0 shared pair: (4, 2, 2) 31.1 (sign masks in ALU
 #:   ops), (4, 4) 33.1; mv.body 43.5; writing mid quantized (quantize_y) costs nothing measurable (31.3);
 #: - the routed down sum, 6 pairs of 4096 × 2048 Q2_K and the shared pair, a plane group a thread: 23.4 at (4, 2, 1)
@@ -476,7 +476,7 @@ class Cols(NamedTuple):
 
     Decode splits a projection's output among several kernels (the Q/KV rows, the compressors' kv and gate,
     the indexer's head weights). A slice is a graph node of its own, and MLX-CUDA's encode pays ~2 µs for every
-    node of a step, views included (benchmarks/RESULTS.md, twenty-first session): a kernel given ``Cols`` takes
+    node of a step, views included (measured on the H200): a kernel given ``Cols`` takes
     the offset as a parameter instead."""
 
     a: mx.array

@@ -133,7 +133,7 @@ DS_FN void ds_reg_rows_q8(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, ui
 // of block g >> 3), which hold those positions of the half's four units (plane j: bits 2j). So a thread reads 8
 // plane bytes, the half's 8 scale bytes and the block's (d, dmin) word for 32 weights, and x in four 8-float chunks
 // 32 floats apart (XQ: x's octets 4 apart, dotted in integers); the 8 threads of a block cover its 84 bytes. (A
-// quarter unit a thread, 8 weights for 4 loads, ran slower than mv.body: benchmarks/RESULTS.md, thirtieth session.)
+// quarter unit a thread, 8 weights for 4 loads, ran slower than mv.body on the H200.)
 template <int NR, int NW, bool XQ>
 DS_FN void ds_reg_rows_q2k(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0,
                            uint32_t n_out, uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr,

@@ -37,7 +37,7 @@ _map_in_source_checkout("convert", "convert")
 # MLX-CUDA records ops into CUDA graphs and launches one every 20 ops, and after any op whose inputs pass a size
 # cap: every routed-expert launch reads a whole stacked expert tensor, so each layer cut one more. With decode
 # pipelined two steps deep (generation and the server), 100-op graphs and no cap took 0.73-0.94x the time a
-# token on the H200 (benchmarks/RESULTS.md, sixteenth session). MLX reads these once, at its first GPU work;
+# token on the H200. MLX reads these once, at its first GPU work;
 # a user's own setting of either wins, and Metal keeps MLX's defaults.
 CUDA_GRAPH_BATCHING = {"MLX_MAX_OPS_PER_BUFFER": "100", "MLX_MAX_MB_PER_BUFFER": "1000000"}
 

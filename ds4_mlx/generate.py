@@ -33,8 +33,7 @@ from .session import DEFAULT_CHUNK, Session, SessionSnapshot, StepEncoder
 
 DEFAULT_CTX = 32768
 # Steps queued ahead of the id the host reads (decode_tokens). One is mlx-lm's, but then the H200's host waits
-# ~2.5 ms a step for the device; with two, the full-shape generation loop took 0.78-0.98x the time of one
-# (benchmarks/RESULTS.md, fifteenth session).
+# ~2.5 ms a step for the device; with two, the full-shape generation loop took 0.78-0.98x the time of one.
 DEFAULT_LAG = 2
 
 

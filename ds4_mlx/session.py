@@ -102,8 +102,7 @@ class Session:
         # The whole new state is evaluated with the logits, also what they do not read yet (the compressor
         # frontiers until their window completes): so every step queues the same graph, up to which windows
         # complete. MLX-CUDA reuses a CUDA graph only for the same topology; leaving that state for a later
-        # step made the steps' graphs vary with history, and each new one cost 1-3 ms of cudaGraphInstantiate
-        # (benchmarks/RESULTS.md, twentieth session).
+        # step made the steps' graphs vary with history, and each new one cost 1-3 ms of cudaGraphInstantiate.
         work = [logits, *(a for c in self.caches for a in c.decode_state().values())]
         (mx.eval if wait else self.queue_work)(work)
         self._tokens.extend(tokens if isinstance(tokens, list) else [tokens[0]])
@@ -190,8 +189,7 @@ class StepEncoder:
 
     MLX encodes a step's graph for the device inside ``mx.async_eval`` (C++, without the GIL), and the host
     builds the next step in Python: in one thread the two add up, here they overlap (on the H200 the threaded
-    loop took 0.83-0.86x the time a step of the single-threaded one; benchmarks/RESULTS.md, seventeenth
-    session). Use as a context manager around the steps: while it is open the session's pipelined steps
+    loop took 0.83-0.86x the time a step of the single-threaded one). Use as a context manager around the steps: while it is open the session's pipelined steps
     (``Session.step`` with a lazy token) are built on a stream every thread may use and evaluated only by
     this thread, and the caller reads a step's arrays only after :meth:`wait` on the event :meth:`submit`
     returned (or after :meth:`drain`); anything else it evaluates needs :meth:`drain` first. (The package's

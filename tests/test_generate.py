@@ -146,8 +146,8 @@ def test_pipelined_decode_is_the_synchronous_one(model, kw, encode_thread):
 def test_pipelined_decode_across_a_buffer_growth(model):
     """Steps queued two deep from the encoder thread (CUDA's default) while a compressed-row buffer grows (no
     reserve: the ratio-4 rows go 16 -> 32 when the window ending at position 67 completes) give the ids and
-    state of a session whose buffers were sized up front. Two full-shape A/B runs on CUDA died at such a growth
-    (benchmarks/RESULTS.md, twenty-sixth session); on a GPU this is the one-version check."""
+    state of a session whose buffers were sized up front. Two full-shape A/B runs on CUDA died at such a
+    growth; on a GPU this is the one-version check."""
     m, _ = model
     runs = {}
     for reserve in (0, 80):
@@ -167,7 +167,7 @@ def test_pipelined_decode_across_the_indexers_first_selection(model, encode_thre
     """From a prompt too short for the indexer (2 ratio-4 rows, top-k 4), queued steps reach its first
     selection (5 rows: position 20), which reads the indexer's weights for the first time, and give the
     synchronous loop's ids and state. On CUDA that first read once evaluated on the caller's thread while the
-    encoder thread queued a step, and crashed the process (benchmarks/RESULTS.md, twenty-seventh session)."""
+    encoder thread queued a step, and crashed the process."""
     m, _ = model
     runs = []
     for lag in (0, 2):

@@ -304,7 +304,7 @@ def test_step_encoder_queues_steps_and_reports_a_failed_one(tiny_gguf):
 def test_a_weights_first_use_waits_while_the_encoder_thread_queues(tiny_gguf, monkeypatch):
     """A weight's derived form (made on first use, e.g. the indexer's weight bytes once it first selects) is
     never evaluated while the worker queues a step: MLX's encoders are not thread-safe, and on the H200 the two
-    at once crashed a decode at ~2K tokens (benchmarks/RESULTS.md, twenty-seventh session)."""
+    at once crashed a decode at ~2K tokens."""
     m, _ = load(tiny_gguf())
     s = Session(m)
     s.prefill(prompt(12, seed=3))

@@ -107,7 +107,7 @@ class Model:
         self.layers = [Block(cfg, il, weights, self.numerics) for il in range(cfg.n_layer)]
         # On CUDA, arrays made from host data (a GGUF, the random model's host-drawn tables) sit in managed memory
         # and the GPU faults a page in at first touch, inside a step (an embedding row's fault took 179 µs;
-        # benchmarks/RESULTS.md, seventeenth session). A decode step reads one row, picked by the token, of the
+        # Nsight Compute on the H200). A decode step reads one row, picked by the token, of the
         # embedding and of the hash layers' routing tables: read them once now.
         hash_tables = [b.ffn.ffn_gate_tid2eid for b in self.layers if b.ffn.ffn_gate_tid2eid is not None]
         for table in [self.token_embd.data, *hash_tables]:
