@@ -249,15 +249,19 @@ class QuantWeight:
 
         if host.wanted(N):
             return mx.array(self.host_gather_matmul(*host.to_numpy(xp.reshape(P, n_in), ids))).reshape(out_shape)
-        if P * out * n_in <= FALLBACK_MAX_ELEMS:
-            # Small batch: gather the selected experts' bytes, dequantize only those.
-            w = quants.dequantize(self.data[flat], self.qtype)  # (P, out, in)
+        if N == 1:  # a decode step (compiled: no host reads): dequantize the pairs' experts
+            w = quants.dequantize(self.data[flat], self.qtype)  # (k, out, in)
             return (xp @ w.swapaxes(1, 2)).reshape(out_shape)
-
-        # Large batch: visit the distinct experts in memory-bounded chunks, pairs grouped by expert.
         ids_np = np.array(flat)
-        if ids_np.size and (ids_np.min() < 0 or ids_np.max() >= E):
+        used, local = np.unique(ids_np, return_inverse=True)
+        if used.size and (used[0] < 0 or used[-1] >= E):
             raise IndexError(f"gather_matmul: expert id out of range [0, {E})")
+        if used.size * out * n_in <= FALLBACK_MAX_ELEMS:
+            # Each distinct expert dequantized once, each pair's product against its own.
+            w = quants.dequantize(self.data[mx.array(used.astype(np.int32))], self.qtype)  # (experts, out, in)
+            return mx.gather_mm(xp, w.swapaxes(1, 2), rhs_indices=mx.array(local.astype(np.int32))).reshape(out_shape)
+
+        # Many experts: visit them in memory-bounded chunks, pairs grouped by expert.
         order = np.argsort(ids_np, kind="stable")  # pairs sorted by expert
         uniq, starts = np.unique(ids_np[order], return_index=True)
         bounds = np.append(starts, P)

@@ -130,6 +130,14 @@ def test_gather_matmul_never_reads_unselected(chunked, monkeypatch):
     assert rel_err(y, xs, ref[ids], "nki,nkoi->nko") <= F32_TOL
 
 
+@pytest.mark.parametrize("bad", [4, -1])
+def test_gather_matmul_rejects_out_of_range_ids(bad):
+    w, _ = make_weight(np.random.default_rng(18), QT.Q8_0, (4, 8, 64))
+    x = mx.array(np.ones((3, 64), np.float32))
+    with pytest.raises(IndexError, match="out of range"):
+        w.gather_matmul(x, mx.array(np.array([[0, bad], [1, 2], [3, 3]], np.int32)))
+
+
 def test_from_gguf_reader(tmp_path):
     """Tensors exactly as GGUFReader hands them over (uint8 rows for blocks, element arrays otherwise)."""
     rng = np.random.default_rng(17)
