@@ -1,9 +1,9 @@
-"""Kernel benchmark at real V4 Flash shapes (QUANTS.md §5.4): decode matvec, 6-expert gathered matvec, prefill.
+"""Kernel benchmark at real V4 Flash shapes (docs/quants.md §5.4): decode matvec, 6-expert gathered matvec, prefill.
 
 Run on a GPU backend (``python benchmarks/kernel_speed.py [--quick] [--json out.json]``). Random valid quant bytes
 are built on the device. Every timed loop rotates over weight copies or fresh expert ids so the 60 MB L2 of
 an H200 does not serve the weights. Reports effective GB/s (weight bytes / time), % of the device copy rate
-measured in the same run (bytes read + written, as QUANTS.md §6 counts it), and time ratios against MLX's own
+measured in the same run (bytes read + written, as docs/quants.md §6 counts it), and time ratios against MLX's own
 ``quantized_matmul`` / ``gather_qmm`` (affine 4-bit g64 and 8-bit g32) and a bf16 product of the same
 logical shape. Prefill rows report TFLOP/s as a share of the bf16 dense matmul's rate at the same shape.
 """

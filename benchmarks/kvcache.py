@@ -32,7 +32,7 @@ from ds4_mlx.kvstore import CachePolicy, DiskCache, session_payload  # noqa: E40
 from ds4_mlx.random_model import random_model  # noqa: E402
 from ds4_mlx.session import Session  # noqa: E402
 
-DS4_BYTES_2048 = 52_184_460  # SERVING.md §5.4: ds4-bench kvcache_bytes at N = 2048 (full shape)
+DS4_BYTES_2048 = 52_184_460  # docs/serving.md §5.4: ds4-bench kvcache_bytes at N = 2048 (full shape)
 DS4_BYTES_PER_2048_MORE = 28_188_672
 
 

@@ -1,4 +1,4 @@
-"""Decode ms/token and prefill tokens/s of the assembled model, next to the MODEL.md §10 bandwidth floor.
+"""Decode ms/token and prefill tokens/s of the assembled model, next to the docs/model.md §10 bandwidth floor.
 
 Weights are random but valid GGUF blocks in the published q2 layout (IQ2_XXS gate/up, Q2_K down, Q8_0
 attention/shared/LM head, F16 HC/router/compressor/indexer), generated directly in device memory: no
@@ -6,7 +6,7 @@ file. Every tensor is its own buffer (nothing is shared between layers), so cach
 numbers; at the full shape that is ~87 GB of weights.
 
     python benchmarks/model.py --shape full            # 43 layers, 4096 wide, 256 experts (H200)
-    python benchmarks/model.py --shape tiny            # the MODEL.md §9 test shape (CPU ok)
+    python benchmarks/model.py --shape tiny            # the docs/model.md §9 test shape (CPU ok)
 
 Decode is timed four ways from the same state: synchronous steps, token ids read back one or two steps late
 (greedy, argmax on the device), and the package's own generation loop (``generate.decode_tokens``: ds4's

@@ -312,7 +312,7 @@ def _write_tokenizer(out: Path, tok, gguf: GGUFModel) -> None:
         "clean_up_tokenization_spaces": False,
         "model_max_length": gguf.config.context_length or None,
         "ds4_chat": {
-            "renderer": "ds4_mlx.chat (SERVING.md §2)",
+            "renderer": "ds4_mlx.chat (docs/serving.md §2)",
             "pretokenizer": tok.pretokenizer,
             "special_tokens": {s: tok.special_ids[s] for s in SPECIAL_TOKENS},
             "default_system": chat.DEFAULT_SYSTEM,

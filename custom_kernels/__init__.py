@@ -1,7 +1,7 @@
 """ds4-mlx custom kernels (installed as ``ds4_mlx.kernels``): write-once bodies for Metal and CUDA.
 
 Each kernel is one ``*.body`` file plus the shared ``ds_prelude.h`` macro layer and, for the quant kernels,
-``ds_quant.h`` and the kernel's own ``<kind>.h`` (QUANTS.md §3.4). This module renders them without comments
+``ds_quant.h`` and the kernel's own ``<kind>.h`` (docs/quants.md §3.4). This module renders them without comments
 or indentation (:func:`minify`) for ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, builds each kernel
 once per backend, validates inputs and picks grid and threadgroup. :class:`ds4_mlx.weights.QuantWeight` calls
 :func:`matmul` and :func:`gather_matmul` here when the backend is ``metal`` or ``cuda`` (or ``sim``: the CUDA
@@ -13,13 +13,13 @@ and :mod:`ds4_mlx.quants` (the IQ2_XXS grid).
 
 Kernels:
 - ``mv``: decode matvec for a few tokens, dense or expert-gathered (``mul_mv_id``): f32 activations, weights
-  decoded exactly in registers, f32 accumulation (QUANTS.md §2.5); epilogues for the MoE (the SwiGLU of gate
+  decoded exactly in registers, f32 accumulation (docs/quants.md §2.5); epilogues for the MoE (the SwiGLU of gate
   and up read in one launch, the sum of a token's routed experts).
 - ``mv_reg``: the same results for the types and epilogues of ``MV_REG``, each thread reading its rows' bytes
   straight into registers instead of staging spans in threadgroup memory; where measured faster on CUDA (the
   routed gate+up with quantized x, the F16 matvecs), ``mv`` dispatches to it.
 - ``mm``: the routed experts' prefill product (``mul_mm_id`` over a pair list sorted by expert): 128 weight rows
-  by 32 or 64 tokens a threadgroup, bf16 tiles, f32 accumulation (QUANTS.md §8 ruling 2); an epilogue for the
+  by 32 or 64 tokens a threadgroup, bf16 tiles, f32 accumulation (docs/quants.md §8 ruling 2); an epilogue for the
   experts' SwiGLU of gate and up in one launch.
 - ``deq``: weight rows decoded to exact f32, for the dense prefill products, which then run on MLX's own matmul
   (cuBLAS on CUDA, TF32 tensor cores with f32 accumulation).
@@ -28,7 +28,7 @@ Kernels:
 - ``attn_chunk``: a prefill chunk's attention, every query over its window and its compressed or selected rows,
   read where they are; two passes over the keys (max and sum, then the normalized P·V).
 - Q8_0 2-D weights can instead run through MLX's own affine 8-bit kernels after a lossless repack
-  (``u = q + 128, scale = d, bias = -128 d``, QUANTS.md §4.3), see :func:`q8_0_affine` and :func:`q8_mode`.
+  (``u = q + 128, scale = d, bias = -128 d``, docs/quants.md §4.3), see :func:`q8_0_affine` and :func:`q8_mode`.
 """
 
 from __future__ import annotations
@@ -443,7 +443,7 @@ _CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_
 
 
 def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
-    """CUDA text as MLX's cuda_kernel generates it (QUANTS.md §3.2), for an nvcc compile check.
+    """CUDA text as MLX's cuda_kernel generates it (docs/quants.md §3.2), for an nvcc compile check.
 
     MLX's ``utils.cuh`` include is replaced by the CUDA headers it brings in; several kernels share one unit
     (the header is guarded per kernel by a namespace so repeated prelude definitions do not collide).
@@ -562,7 +562,7 @@ def mv(
     its ``(NR, NSG[, RG])``), where ``MV_REG`` has the epilogue with these types, x's form and gathering, and
     K % 64 == 0; default on the epilogue's ``MV_REG`` backends for its ``on`` types (:func:`reg_direct`).
     ``quantize_y`` (``MV_SWIGLU`` as mv_reg.body): the result comes quantized as :func:`quantize_x` lays it out,
-    ``[rows, 5·out/8]``, for a down launch with ``xq`` (ds4-CUDA quantizes the experts' mid, QUANTS.md §2.4).
+    ``[rows, 5·out/8]``, for a down launch with ``xq`` (ds4-CUDA quantizes the experts' mid, docs/quants.md §2.4).
     """
     gather = ids is not None
     if shared is not None:
@@ -684,7 +684,7 @@ def dense_matmul(qw, x2: mx.array, backend: str) -> mx.array:
 
 
 def route_tiles(flat: mx.array, n_expert: int, bn: int) -> tuple[mx.array, mx.array]:
-    """Pairs sorted by expert and the token-tile list for ``mm_id`` (QUANTS.md §4.2), without a host sync.
+    """Pairs sorted by expert and the token-tile list for ``mm_id`` (docs/quants.md §4.2), without a host sync.
 
     Returns ``sorted_pairs`` int32 [P] and ``tiles`` int32 [T_max, 4] = (expert, first index, count, 0);
     tiles past the real count have count 0. T_max = ⌈P/bn⌉ + min(E, P) bounds Σ_e ⌈count_e/bn⌉.
@@ -835,7 +835,7 @@ def mm_gather_swiglu(gate, up, x2: mx.array, flat: mx.array, k_slots: int, clamp
                None if route_w is None else route_w.reshape(-1), clamp, init)  # fmt: skip
 
 
-# --- lossless Q8_0 → MLX affine 8-bit (QUANTS.md §4.3, §8 ruling 1) ---------------------------------------
+# --- lossless Q8_0 → MLX affine 8-bit (docs/quants.md §4.3, §8 ruling 1) ---------------------------------------
 
 
 def q8_0_affine(qw) -> tuple[mx.array, mx.array, mx.array]:

@@ -1,4 +1,4 @@
-// ds_prelude.h: the write-once layer under every ds4-mlx kernel (QUANTS.md §3.4).
+// ds_prelude.h: the write-once layer under every ds4-mlx kernel (docs/quants.md §3.4).
 //
 // The builder prepends `#define DS_METAL` or `#define DS_CUDA` and puts this file first in every kernel's
 // `header`. Bodies (*.body) use only the DS_* macros below and the helpers of ds_quant.h (quant kernels) or
@@ -38,7 +38,7 @@
 #define DS_ASYNC_COMMIT()
 #define DS_ASYNC_WAIT_ALL()
 #define DS_ASYNC_WAIT_PREV()
-// Round an f32 to bf16 (RNE) and back: the prefill tile precision (QUANTS.md §8 ruling 2).
+// Round an f32 to bf16 (RNE) and back: the prefill tile precision (docs/quants.md §8 ruling 2).
 #define DS_BF16_ROUND(x) float(bfloat16_t(x))
 // Prefill tiles: f32 storage of bf16-rounded values (simdgroup_float8x8 MMA; same numerics as bf16 tiles).
 typedef float ds_tile_t;

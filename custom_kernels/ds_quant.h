@@ -5,7 +5,7 @@
 // single 0u (the table zero-filled) for every other type, whose code never reads the table. MLX hashes a
 // kernel's whole source at each launch, so launches that do not need the 6.6 KB table do not carry it.
 
-// GGML type ids (QUANTS.md §1.0).
+// GGML type ids (docs/quants.md §1.0).
 #define DS_F32 0
 #define DS_F16 1
 #define DS_Q8_0 8
@@ -17,7 +17,7 @@
 // IQ2_XXS grid: 256 u64 words as (lo, hi) u32 pairs; byte j of word g = magnitude j of grid vector g.
 DS_TABLE uint32_t ds_iq2_grid[512] = {DS_IQ2_GRID_WORDS};
 
-// --- loads. IQ2_XXS and Q8_0 blocks are only 2-byte aligned: never read them as u32 (QUANTS.md §1.0) ----
+// --- loads. IQ2_XXS and Q8_0 blocks are only 2-byte aligned: never read them as u32 (docs/quants.md §1.0) ----
 DS_FN uint32_t ds_ld16(const DS_DEV uint8_t* p) { return (uint32_t)(*((const DS_DEV uint16_t*)p)); }
 DS_FN uint32_t ds_ld32_a2(const DS_DEV uint8_t* p) { return ds_ld16(p) | (ds_ld16(p + 2) << 16); }
 DS_FN uint32_t ds_ld32(const DS_DEV uint8_t* p) { return *((const DS_DEV uint32_t*)p); }  // 4-byte aligned only
@@ -38,7 +38,7 @@ DS_FN float ds_s8f(uint32_t b) { return DS_U32_AS_F(0x4B000000u | (b ^ 0x80u)) -
 // Int8 byte i of w, given wx = w XOR 0x80808080: one PRMT and one subtraction on CUDA.
 DS_FN float ds_s8x_f(uint32_t wx, uint32_t i) { return DS_U32_AS_F(DS_BYTE_BITS(wx, i)) - 8388736.0f; }
 
-// Q4_K 6-bit (scale, min) of sub-block j (QUANTS.md §1.3).
+// Q4_K 6-bit (scale, min) of sub-block j (docs/quants.md §1.3).
 DS_FN void ds_q4k_scale_min(const DS_DEV uint8_t* s, uint32_t j, DS_THR float& sc, DS_THR float& m) {
   if (j < 4) {
     sc = float(s[j] & 63);
@@ -49,7 +49,7 @@ DS_FN void ds_q4k_scale_min(const DS_DEV uint8_t* s, uint32_t j, DS_THR float& s
   }
 }
 
-// IQ2_XXS sign mask of sign index s: s | parity(s) << 7 (QUANTS.md §1.4).
+// IQ2_XXS sign mask of sign index s: s | parity(s) << 7 (docs/quants.md §1.4).
 DS_FN uint32_t ds_iq2_signs(uint32_t s) { return s | ((DS_POPC(s) & 1u) << 7); }
 
 // c + the dot of a and b as four signed bytes each: one DP4A on CUDA (the quantized-x matvec, mv.h ds_dot8q).
@@ -65,7 +65,8 @@ DS_FN int ds_dp4a(uint32_t a, uint32_t b, int c) {
 
 // Quantized x (the matvecs' XQ; kernels.quantize_x writes it): a row of x holds q (int8 [in]), the remainder r
 // (int8 [in]) and d (f32 [in/8]), x ≈ d·(q + r/128) per octet, d = max|x|/127: 1/32768 of max|x| at worst,
-// against 1/254 with q alone (ds4-CUDA's Q8_K), which moves a tiny model's logits by ~7 % (QUANTS.md §8 ruling 4).
+// against 1/254 with q alone (ds4-CUDA's Q8_K), which moves a tiny model's logits by ~7 %
+// (docs/quants.md §8 ruling 4).
 // Octet g of the row: q[0..1] its q words, q[2..3] its r words, d, and s = Σ x̂ (the Q2_K min term).
 DS_FN void ds_xq_load(const DS_DEV float* xr, uint32_t n_in, uint32_t g, DS_THR uint32_t* q, DS_THR float& d,
                       DS_THR float& s) {

@@ -6,7 +6,7 @@
 #endif
 
 DS_FN float dsf_max(float a, float b) { return a > b ? a : b; }
-// ds4 evaluates the HC gates as 1/(1+expf(-z)) (MODEL.md §4.3).
+// ds4 evaluates the HC gates as 1/(1+expf(-z)) (docs/model.md §4.3).
 DS_FN float dsf_sigmoid(float z) { return 1.0f / (1.0f + DS_EXP(-z)); }
 DS_FN int min_i32(int a, int b) { return a < b ? a : b; }
 // An f32 score as a u32 key with the same order (larger score, larger key); -0 counts as +0, as == does.

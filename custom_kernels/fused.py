@@ -4,7 +4,7 @@ decode step's attention, Q/KV rows, router and indexer.
 Write-once bodies next to the quant kernels, rendered like them (:func:`ds4_mlx.kernels.render_source`:
 prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) plus ``fused.h``:
 
-- ``hc_pre.body``: HC pre (MODEL.md §4.3) in one launch, one threadgroup per token (prefill); for decode-sized
+- ``hc_pre.body``: HC pre (docs/model.md §4.3) in one launch, one threadgroup per token (prefill); for decode-sized
   T, ``hc_mix.body`` first spreads the mixing matvec over many threadgroups and hc_pre sums its partials.
   Optionally hc_pre also applies the sublayer's input RMSNorm, and hc_mix first the previous sublayer's HC
   post (:func:`hc_pre` ``post_of``).
@@ -229,7 +229,7 @@ CUDA_TYPES = {"half": "__half"}
 
 
 def render_cuda_unit(insts: list[tuple[str, tuple]]) -> str:
-    """CUDA text as MLX's ``cuda_kernel`` generates it (QUANTS.md §3.2), for an ``nvcc -c`` check.
+    """CUDA text as MLX's ``cuda_kernel`` generates it (docs/quants.md §3.2), for an ``nvcc -c`` check.
 
     MLX's ``utils.cuh`` include is replaced by the CUDA headers it brings in; each kernel gets its own
     namespace so the repeated header does not collide.
@@ -315,7 +315,7 @@ def hc_pre(
     hc_eps: float, *, norm: mx.array | None = None, post_of: tuple | None = None, backend: str,
     tpb: int | None = None, split: bool | None = None, quantize: bool = False, cols: bool = False,
 ) -> tuple | None:  # fmt: skip
-    """HC pre (MODEL.md §4.3) of ``n_hc`` streams with ``n_iter`` Sinkhorn iterations -> ``(S', x or n, post,
+    """HC pre (docs/model.md §4.3) of ``n_hc`` streams with ``n_iter`` Sinkhorn iterations -> ``(S', x or n, post,
     comb, xq or None)``, or None where the kernels do not run (the ``fallback`` backend, fn not plain F16, n_hc
     not 1, 2 or 4, T = 0, E > HC_PRE_XK * HC_PRE_THREADS).
 
@@ -406,7 +406,7 @@ def hc_post(
     S: mx.array | Cols, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, *, n_hc: int | None = None,
     backend: str,
 ) -> mx.array | None:  # fmt: skip
-    """HC post (MODEL.md §4.9), ``S_new = post ⊗ y + Cᵀ S`` -> ``[T, n_hc, E]``, or None where the kernel does
+    """HC post (docs/model.md §4.9), ``S_new = post ⊗ y + Cᵀ S`` -> ``[T, n_hc, E]``, or None where the kernel does
     not run (the ``fallback`` backend, E not a multiple of 32, T = 0). ``post`` and ``comb`` may be :class:`Cols`
     of HC pre's output row (:func:`hc_pre` ``cols``), and ``S`` one token's state as :class:`Cols` of the mix
     launch's row (give ``n_hc`` then)."""
@@ -461,7 +461,7 @@ def compressor_pool(
     out_dtype: mx.Dtype = mx.float32,
     backend: str,
 ) -> mx.array | None:
-    """Pool, norm and RoPE finished compressor windows (MODEL.md §4.6 steps 4–6), then ds4's storage rounding
+    """Pool, norm and RoPE finished compressor windows (docs/model.md §4.6 steps 4–6), then ds4's storage rounding
     ``rounding`` (a row rounding with ``fp8_dims``, ``qat`` and ``f16``, callable on rows, or ``None``) -> ``[nw,
     hd]`` as ``out_dtype`` (float32, or float16 when the rounding ends in f16); None where the kernel does not
     run (the ``fallback`` backend, hd not a multiple of 32 or over 1024, nw = 0).
@@ -538,7 +538,7 @@ def compressor_emit(
 ) -> tuple[mx.array, mx.array] | None:  # fmt: skip
     """The decode token that completes a window, in one launch: :func:`compressor_write` of its row,
     :func:`compressor_pool` of the frontier (``rounding``, ``out_dtype`` as there), then the next frontier
-    (MODEL.md §4.6) -> ``(row [1, hd], fr)``; None where the kernel does not run (the ``fallback`` backend, hd
+    (docs/model.md §4.6) -> ``(row [1, hd], fr)``; None where the kernel does not run (the ``fallback`` backend, hd
     not a multiple of 32 or over 1024).
 
     ``fr [2, rows, lanes*hd]`` is the frontier, kv then score. The next frontier: with ``lanes=2`` (ratio 4) the
@@ -578,7 +578,7 @@ COMP_WRITE_THREADS = 256
 def compressor_write(
     fr: mx.array, kv_row: mx.array | Cols, score_row: mx.array | Cols, ape: mx.array, at: mx.array, *, backend: str
 ) -> mx.array | None:
-    """One decode token into its compressor frontier ``fr [2, R, W]`` (kv, then score; MODEL.md §4.6):
+    """One decode token into its compressor frontier ``fr [2, R, W]`` (kv, then score; docs/model.md §4.6):
     ``kv[at] = kv_row``, ``score[at] = score_row + ape`` -> the new frontier; None on the ``fallback`` backend.
     ``kv_row``, ``score_row`` (each ``[1, W]`` or :class:`Cols`) and ``ape`` ``[1, W]`` are f32, ``at`` the
     frontier row (:func:`kernel_index`)."""
@@ -684,7 +684,7 @@ def attend_one(
     nsg: int | None = None,
     backend: str,
 ) -> mx.array | None:
-    """One decode token's attention and the inverse RoPE of its output (MODEL.md §4.4) -> ``o [1, H, D]`` f32;
+    """One decode token's attention and the inverse RoPE of its output (docs/model.md §4.4) -> ``o [1, H, D]`` f32;
     None where the kernel does not run (the ``fallback`` backend, D not a multiple of 32 or over ATTN_MAX_HD).
 
     ``q [1, H, D]`` f32 (RoPE'd); ``raw [Mr, D]``: the raw window, every row visible; ``comp [cap, D]``: the
@@ -738,7 +738,7 @@ INDEX_SCORES_MAX_GROUPS = 1024
 def index_scores(
     iq: mx.array, w: mx.array | Cols, keys: mx.array, counts: mx.array, scale: float, *, backend: str
 ) -> mx.array | None:
-    """The indexer's scores of one decode token (MODEL.md §4.7) -> ``[1, N]``, ``sum_h w[h] * scale *
+    """The indexer's scores of one decode token (docs/model.md §4.7) -> ``[1, N]``, ``sum_h w[h] * scale *
     relu(keys . iq[h])``, or None where the kernel does not run (the ``fallback`` backend, D not a multiple of 32
     or over 256, N = 0): ``iq [1, H, D]`` query heads, ``w [1, H]`` head weights (or :class:`Cols`), ``keys [N,
     D]`` the indexer rows, of which the first ``counts[0]`` are scored (``counts`` from :func:`kernel_counts`;
@@ -801,8 +801,8 @@ def qkv_rows(
     window: tuple[mx.array, int, mx.dtype] | None = None,
     backend: str,
 ) -> tuple[mx.array, mx.array] | None:
-    """Query heads and KV row after their projections (MODEL.md §4.4, §4.12) -> ``q [T, n_head, D]``, ``kv [T, D]``;
-    None where the kernel does not run (the ``fallback`` backend, D not a multiple of 64 or over 1024, T = 0).
+    """Query heads and KV row after their projections (docs/model.md §4.4, §4.12) -> ``q [T, n_head, D]``,
+    ``kv [T, D]``; None where the kernel does not run (the ``fallback`` backend, D not a multiple of 64 or over 1024, T = 0).
 
     ``qb [T, n_head*D]`` (attn_q_b output): per-head RMS norm (no weight), RoPE. ``kvb [T, D]`` (attn_kv output;
     one token's may be :class:`Cols`): RMS norm × ``norm [D]``, RoPE, then the FP8 round trip of the first
@@ -856,7 +856,7 @@ def moe_route(
     logits: mx.array, bias: mx.array | None, k: int, scale: float, norm: bool, *, packed: bool = False,
     backend: str,
 ) -> tuple[mx.array, mx.array | None] | None:  # fmt: skip
-    """Top-k router (MODEL.md §4.8) of ``logits [T, n_expert]`` (ffn_gate_inp output) -> expert ids int32
+    """Top-k router (docs/model.md §4.8) of ``logits [T, n_expert]`` (ffn_gate_inp output) -> expert ids int32
     ``[T, k]`` by descending ``sqrt(softplus(logit)) + bias`` (ties to the lower id) and their weights ``[T,
     k]``: the unbiased probs, normalized if ``norm``, times ``scale``; None where the kernel does not run (the
     ``fallback`` backend, k > 32, n_expert > 1024, T = 0). ``packed``: ``(route, None)`` instead, the launch's one
@@ -899,7 +899,7 @@ INDEX_Q_DIM = 128
 def index_query(
     qb: mx.array, C: mx.array, S: mx.array, n_head: int, qat: bool, *, backend: str
 ) -> mx.array | None:
-    """The indexer's query heads (MODEL.md §4.7) -> ``[T, n_head, 128]``: RoPE of ``qb [T, n_head*128]``
+    """The indexer's query heads (docs/model.md §4.7) -> ``[T, n_head, 128]``: RoPE of ``qb [T, n_head*128]``
     (indexer.attn_q_b output) with the tokens' tables ``C, S [T, 128]``, then, with ``qat``, Hadamard-128 and
     the FP4 round trip; None where the kernel does not run (the ``fallback`` backend, T = 0)."""
     if qb.ndim != 2:
@@ -931,7 +931,7 @@ def expert_swiglu(
     gate: Any, up: Any, x: mx.array, clamp: float, ids: mx.array | None = None, route_w: mx.array | None = None,
     *, backend: str,
 ) -> mx.array | None:  # fmt: skip
-    """The experts' clamped SwiGLU (MODEL.md §4.8), ``silu(min(gate·x, clamp)) * clip(up·x, ±clamp)``, times
+    """The experts' clamped SwiGLU (docs/model.md §4.8), ``silu(min(gate·x, clamp)) * clip(up·x, ±clamp)``, times
     ``route_w`` if given, in one matvec launch that reads both weights; None where it does not run (the
     ``fallback`` backend, T = 0 or over MV_MAX_TOKENS, weights the kernels or the SwiGLU epilogue do not take).
 
@@ -954,7 +954,7 @@ def expert_swiglu(
 def expert_down_sum(
     down: Any, mid: mx.array, ids: mx.array, add: mx.array | None = None, *, backend: str
 ) -> mx.array | None:
-    """The routed experts' down projections summed per token (MODEL.md §4.8): ``mid [T, k, F]``, ``ids [T, k]``
+    """The routed experts' down projections summed per token (docs/model.md §4.8): ``mid [T, k, F]``, ``ids [T, k]``
     -> ``sum_j down[ids[t, j]] @ mid[t, j]`` ``[T, E]``, plus ``add [T, E]`` (the shared expert) if given, in one
     matvec launch; None where it does not run (the ``fallback`` backend, T = 0 or over MV_MAX_TOKENS, a weight
     the kernels do not take)."""
@@ -974,12 +974,12 @@ def experts_with_shared(
     gate: Any, up: Any, down: Any, shared_gate_up: Any, shared_down: Any, x: mx.array | Cols, ids: mx.array,
     route_w: mx.array | None, clamp: float, *, xq: mx.array | Cols | None = None, backend: str,
 ) -> mx.array | None:  # fmt: skip
-    """The whole expert part of the MoE (MODEL.md §4.8) in two matvec launches for decode-sized T:
+    """The whole expert part of the MoE (docs/model.md §4.8) in two matvec launches for decode-sized T:
     ``sum_j down[ids_j] (route_w_j · swiglu(gate[ids_j] x, up[ids_j] x)) + shared_down · swiglu(shared x)``
     ``[T, E]``, the shared expert read by the routed launches (mv ``shared``) instead of two launches of its
     own. ``shared_gate_up`` is its gate rows then its up rows. ``xq``: x quantized (:func:`hc_pre` ``quantize``),
     which the gate+up launch reads instead of x where its weight types allow (``MV_XQ_TYPES``): integer dots, as
-    ds4-CUDA does (QUANTS.md §2.4); where both launches run as mv_reg.body, gate+up then writes mid quantized
+    ds4-CUDA does (docs/quants.md §2.4); where both launches run as mv_reg.body, gate+up then writes mid quantized
     too and the down launch dots it in integers (ds4-CUDA quantizes mid as well). ``x`` and ``xq`` may be one
     token's :class:`Cols` of HC pre's output row. ``ids [T, k]`` with ``route_w [T, k]``, or :func:`moe_route`'s
     packed ``[T, 2k]`` with ``route_w`` None. None where the kernels do not apply (the caller runs

@@ -1,5 +1,5 @@
 // metal_shim.h: just enough of the Metal Shading Language for `g++ -std=c++17 -fsyntax-only` to type-check
-// kernels rendered exactly as MLX renders them (QUANTS.md §3.4, CI check 1). Not a Metal implementation:
+// kernels rendered exactly as MLX renders them (docs/quants.md §3.4, CI check 1). Not a Metal implementation:
 // a syntax/type check of the shared bodies in their Metal instantiation. Run the real compile on a Mac.
 #pragma once
 #include <cstdint>

@@ -160,7 +160,7 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
   }
 }
 
-// Dequantize 16 weights: half `hf` (0/1) of unit u of `row`, exact f32 values (QUANTS.md §1.7).
+// Dequantize 16 weights: half `hf` (0/1) of unit u of `row`, exact f32 values (docs/quants.md §1.7).
 DS_FN void ds_deq16(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf, DS_THR float* out) {
   const ds_raw16 r = ds_raw16_load(qt, row, u, hf);
   ds_raw16_decode(qt, r, u, hf, out);

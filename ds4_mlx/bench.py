@@ -1,4 +1,4 @@
-"""ds4-bench's speed curve (SERVING.md §7): prefill and decode tokens/s at growing context frontiers.
+"""ds4-bench's speed curve (docs/serving.md §7): prefill and decode tokens/s at growing context frontiers.
 
 The method, exactly as ds4-bench: load once; walk one fixed token sequence to each frontier with incremental
 prefill (a row times only the newly added interval); at each frontier snapshot the session (not timed),

@@ -1,4 +1,4 @@
-"""``ds4-mlx bench``: ds4-bench-compatible speed curves (SERVING.md §7) and ``ds4-mlx bench plot``.
+"""``ds4-mlx bench``: ds4-bench-compatible speed curves (docs/serving.md §7) and ``ds4-mlx bench plot``.
 
 Registered by the main app with ``app.add_typer(bench_app, name="bench")``. Bad input prints one
 ``error:`` line on stderr and exits with status 2.
@@ -64,7 +64,7 @@ def bench(
         None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (a throwaway session that decodes 4 steps just below 4 x indexer top-k tokens and 4 more after one chunk past it, so kernel compilation and the decode-step traces are not timed)."),
 ) -> None:
-    """Measure prefill and decode speed at each context frontier, ds4-bench's way (SERVING.md §7)."""
+    """Measure prefill and decode speed at each context frontier, ds4-bench's way (docs/serving.md §7)."""
     if ctx.invoked_subcommand is not None:
         return
     if (model is None) == (random_weights is None):

@@ -1,4 +1,4 @@
-"""DeepSeek V4 prompt rendering, ds4 flavour (SERVING.md §2): thinking modes, the server chat renderer, the tools
+"""DeepSeek V4 prompt rendering, ds4 flavour (docs/serving.md §2): thinking modes, the server chat renderer, the tools
 block, DSML history rendering, and the /v1/completions and CLI renderers.
 
 Message model (§2.2) — plain dataclasses; :func:`as_message` also accepts dicts with the same keys:

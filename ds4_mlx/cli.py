@@ -144,7 +144,7 @@ def inspect(
 
     sizes = {name: nbytes for name, (_, nbytes) in tensors.items()}
     per_ctx = {c: decode_bytes_per_token(cfg, sizes, c) for c in ctx}
-    out = Table(title="bytes read per decoded token (MODEL.md §10)", title_justify="left")
+    out = Table(title="bytes read per decoded token (docs/model.md §10)", title_justify="left")
     out.add_column("component")
     for c in ctx:
         out.add_column(f"ctx {c}", justify="right")

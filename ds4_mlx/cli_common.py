@@ -53,7 +53,7 @@ def check_output_file(path: Path, option: str) -> None:
 
 def check_sampling(temp: float, top_p: float, top_k: int, min_p: float) -> None:
     """Sampling flags: a non-finite number is an error; a value ds4's sampler clamps gets a warning saying what
-    is used instead (SERVING.md §3: top-p outside (0, 1] is 1, min-p < 0 is 0, top-k <= 0 is off and > 1024
+    is used instead (docs/serving.md §3: top-p outside (0, 1] is 1, min-p < 0 is 0, top-k <= 0 is off and > 1024
     is 1024; temperature <= 0 is greedy)."""
     for flag, v in (("--temp", temp), ("--top-p", top_p), ("--min-p", min_p)):
         if not math.isfinite(v):

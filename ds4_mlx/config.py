@@ -1,4 +1,4 @@
-"""Model configuration parsed from a DS4 GGUF's ``deepseek4.*`` metadata (MODEL.md §2).
+"""Model configuration parsed from a DS4 GGUF's ``deepseek4.*`` metadata (docs/model.md §2).
 
 Every dimension comes from the file, never from constants, so the tiny test models and the real
 284B model run the same code. :func:`check_config` holds the rules every config must meet, whether it
@@ -68,7 +68,7 @@ class ModelConfig:
         return self.compress_ratios[il]
 
     def compress_lanes(self, il: int) -> int:
-        """``coff``: 2 overlapping lanes for ratio-4 (CSA) layers, 1 otherwise (MODEL.md §4.6)."""
+        """``coff``: 2 overlapping lanes for ratio-4 (CSA) layers, 1 otherwise (docs/model.md §4.6)."""
         return 2 if self.compress_ratios[il] == 4 else 1
 
     def has_indexer(self, il: int) -> bool:
@@ -114,7 +114,7 @@ _PER_LAYER = {"compress_ratios": int, "swiglu_clamp": float}
 
 def check_config(cfg: ModelConfig, where: str, names: Mapping[str, str] | None = None) -> None:
     """Raise :class:`DS4FormatError` unless ``cfg`` has the types and the relations the graph relies on
-    (MODEL.md §9.2); values that would make every logit NaN or never finish count as errors too.
+    (docs/model.md §9.2); values that would make every logit NaN or never finish count as errors too.
 
     ``where`` names the file; ``names`` maps a field to the key the file spells it with (the GGUF's
     ``deepseek4.*`` keys; a ``config.json`` uses the field names themselves). One message, naming the key.

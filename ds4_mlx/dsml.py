@@ -1,4 +1,4 @@
-"""DSML, DeepSeek V4's tool-call markup: canonical rendering (SERVING.md §2.5), the final parse of generated text
+"""DSML, DeepSeek V4's tool-call markup: canonical rendering (docs/serving.md §2.5), the final parse of generated text
 with ds4's repair rules (§6.3), and the small state machines a server needs while generating (§6.2).
 
 The model writes::

@@ -1,6 +1,6 @@
 """Text generation on a :class:`~ds4_mlx.session.Session`: ``generate`` and ``stream_generate`` (mlx-lm style).
 
-The prompt may be plain text (rendered like ``ds4 -p``: BOS, system, user turn, assistant prefix — SERVING.md
+The prompt may be plain text (rendered like ``ds4 -p``: BOS, system, user turn, assistant prefix — docs/serving.md
 §2.6), a list of chat messages (the server renderer, §2.3) or token ids used as they are. A live session is
 reused when its tokens are a prefix of the new prompt, so a chat only prefills what is new.
 Stop rules follow ds4 (§3): EOS (never emitted, never evaluated into the KV), a stop string in the raw

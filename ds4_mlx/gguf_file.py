@@ -1,4 +1,4 @@
-"""Open and validate a DS4 GGUF, then bind its tensors by name (MODEL.md §2–3).
+"""Open and validate a DS4 GGUF, then bind its tensors by name (docs/model.md §2–3).
 
 Like ds4.c we fail early with one clear message: every problem raises :class:`DS4FormatError` naming the
 file, the key or tensor, and what was expected versus found. The file is memory-mapped by
@@ -347,7 +347,7 @@ def check_tensor_values(small: dict[str, np.ndarray], cfg: ModelConfig, where: s
 
 
 def _check_expert_types(found: dict[str, TensorInfo], cfg: ModelConfig, where: str) -> None:
-    """Routed gate and up must share one type; down may differ (MODEL.md §3.1)."""
+    """Routed gate and up must share one type; down may differ (docs/model.md §3.1)."""
     for il in range(cfg.n_layer):
         g, u = (found[f"blk.{il}.ffn_{k}_exps.weight"].qtype for k in ("gate", "up"))
         if g != u:

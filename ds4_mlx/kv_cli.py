@@ -3,7 +3,7 @@
     ds4-mlx kv ls DIR                  files: tokens, size, save reason, age, hits, a preview of the cached text
     ds4-mlx kv show NAME [--dir DIR]   one file: header, payload dimensions, text head and tail, tool ids
     ds4-mlx kv rm NAME… [--dir DIR]    delete files
-    ds4-mlx kv prune DIR --max-mb N    evict the least useful files until the directory fits (SERVING.md §5.7)
+    ds4-mlx kv prune DIR --max-mb N    evict the least useful files until the directory fits (docs/serving.md §5.7)
 
 NAME is a file, or the start of a file name (what ``ls`` prints) looked up in ``--dir`` (default: the folder
 NAME names, else the current one). Registered by the main CLI as ``app.add_typer(kv_app, name="kv")``.

@@ -1,4 +1,4 @@
-"""Disk KV cache: session payloads ("DSV4", MODEL.md §5.2) and KVC cache files (SERVING.md §5.4-5.7).
+"""Disk KV cache: session payloads ("DSV4", docs/model.md §5.2) and KVC cache files (docs/serving.md §5.4-5.7).
 
 A *payload* is everything the next token needs — token ids, the last logits and every layer's state (raw
 window rows in position order, compressed rows, compressor frontiers, indexer rows and frontiers) — laid out
@@ -55,7 +55,7 @@ PAYLOAD_VERSION = 1
 KVC_MAGIC = b"KVC"
 KVC_VERSION = 1
 DEFAULT_CTX = 32768
-HEADER = struct.Struct("<3sBBBBBIIIIQQQI")  # SERVING.md §5.4: 52 bytes, then the cache text
+HEADER = struct.Struct("<3sBBBBBIIIIQQQI")  # docs/serving.md §5.4: 52 bytes, then the cache text
 assert HEADER.size == 52
 PAYLOAD_HEAD = struct.Struct("<13I")
 DS4_PREFILL_CHUNK = 2048  # ds4's prefill chunk for contexts longer than that
@@ -90,7 +90,7 @@ def model_fingerprint(model) -> int:
     return crc or 1
 
 
-# --- the session payload (MODEL.md §5.2) --------------------------------------------------------------------
+# --- the session payload (docs/model.md §5.2) --------------------------------------------------------------------
 def _f32(a: mx.array | None, n: int | None = None) -> bytes:
     if a is None:
         return b""
@@ -263,7 +263,7 @@ def snapshot_from_payload(model, data: bytes | memoryview, *, ctx: int = DEFAULT
     return SessionSnapshot(tuple(int(t) for t in tokens), mx.array(logits), tuple(caches))
 
 
-# --- KVC files (SERVING.md §5.4) ------------------------------------------------------------------------------
+# --- KVC files (docs/serving.md §5.4) ------------------------------------------------------------------------------
 @dataclass
 class KVHeader:
     """The 52-byte KVC header."""
@@ -550,7 +550,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-# --- the directory (SERVING.md §5.5-5.7) ----------------------------------------------------------------------
+# --- the directory (docs/serving.md §5.5-5.7) ----------------------------------------------------------------------
 @dataclass
 class CachePolicy:
     """ds4's disk-cache knobs (server flags ``--kv-*``), with ds4's defaults."""

@@ -1,8 +1,8 @@
-"""The published DS4 GGUF tensor layout (MODEL.md §3) as data, shared by the validator and the factory.
+"""The published DS4 GGUF tensor layout (docs/model.md §3) as data, shared by the validator and the factory.
 
 One table answers "which tensors must this file hold, with which row-major shape and GGML type" for any
 :class:`~ds4_mlx.config.ModelConfig`, so the tiny models and the real 284B file are checked by the same code.
-It also knows how many bytes a decoded token touches (MODEL.md §10), which ``ds4-mlx inspect`` reports.
+It also knows how many bytes a decoded token touches (docs/model.md §10), which ``ds4-mlx inspect`` reports.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from .config import ModelConfig
 
-#: Types a routed expert tensor may have. gate and up must share one; down may differ (MODEL.md §3.1).
+#: Types a routed expert tensor may have. gate and up must share one; down may differ (docs/model.md §3.1).
 #: The float types are accepted for debugging models (not published, but ds4_mlx runs them).
 EXPERT_TYPES = (T.IQ2_XXS, T.Q2_K, T.Q4_K, T.F16, T.BF16, T.F32)
 
@@ -49,7 +49,7 @@ def tensor_nbytes(shape: tuple[int, ...], qtype: T) -> int:
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every tensor a DS4 GGUF with this config must contain, in file order (MODEL.md §3.2–3.4).
+    """Every tensor a DS4 GGUF with this config must contain, in file order (docs/model.md §3.2–3.4).
 
     ``exp_probs_b.bias`` (the router bias) is listed for every top-k layer; ds4 treats it as optional,
     so :func:`optional_tensors` lists it too and the validator accepts its absence.
@@ -132,7 +132,7 @@ def optional_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
 
 
 def decode_bytes_per_token(cfg: ModelConfig, sizes: dict[str, int], ctx: int) -> dict[str, int]:
-    """Bytes one decoded token reads at context ``ctx`` (MODEL.md §10), by component.
+    """Bytes one decoded token reads at context ``ctx`` (docs/model.md §10), by component.
 
     ``sizes`` maps tensor name → bytes (from a file, or computed with :func:`tensor_nbytes`). Routed experts
     count ``n_expert_used / n_expert`` of each expert tensor; the indexer's q_b/proj only once the number of

@@ -1,4 +1,4 @@
-"""Numeric profiles and ds4's rounding simulations (MODEL.md §0.1, §4.1, §4.12).
+"""Numeric profiles and ds4's rounding simulations (docs/model.md §0.1, §4.1, §4.12).
 
 ds4 rounds a few tensors on purpose, the way DeepSeek's own inference graph does: the KV rows go
 through an FP8-E4M3 round trip, the indexer vectors through Hadamard-128 + FP4-E2M1 ("QAT"), and every
@@ -41,7 +41,7 @@ class Numerics:
     rope_recurrence: bool = False  # ds4 CPU's f32 angle recurrence t_{k+1} = t_k * base^(-2/n_rot)
     # CUDA decode: the routed experts' gate+up matvec reads its input quantized (int8 plus an int8 remainder per 8
     # values, integer dots), and writes mid so for the down sum, as ds4's CUDA build does with coarser Q8_K
-    # (QUANTS.md §2.4); a kernel choice, so the MLX paths (CPU, prefill) keep f32, and so does Metal (no integer
+    # (docs/quants.md §2.4); a kernel choice, so the MLX paths (CPU, prefill) keep f32, and so does Metal (no integer
     # dot; ds4's Metal build keeps f32)
     quantized_x: bool = False
 

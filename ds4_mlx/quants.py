@@ -1,8 +1,8 @@
-"""GGUF block formats decoded with plain MLX ops (QUANTS.md §1 and §4.1).
+"""GGUF block formats decoded with plain MLX ops (docs/quants.md §1 and §4.1).
 
 This is the pure-MLX twin of the custom kernels: it runs on every backend, it is the CPU path, and it is the
 oracle the kernels are tested against. Every recipe is value-exact with ``gguf.quants.dequantize`` (the f32
-results of all four block types are exact, QUANTS.md §1), so the tests compare with ``==``.
+results of all four block types are exact, docs/quants.md §1), so the tests compare with ``==``.
 
 Block bytes come in as a ``uint8`` array of shape ``(..., row_bytes)``; the result is float32
 ``(..., row_bytes // type_size * block_size)``.
@@ -25,7 +25,7 @@ BLOCK_TYPES = (QT.Q8_0, QT.Q2_K, QT.Q4_K, QT.IQ2_XXS)
 PLAIN_TYPES = (QT.F32, QT.F16, QT.BF16)
 SUPPORTED_TYPES = BLOCK_TYPES + PLAIN_TYPES
 
-#: sha256 of the 256 × 8 IQ2_XXS grid bytes (QUANTS.md §1.4); pinned by a test.
+#: sha256 of the 256 × 8 IQ2_XXS grid bytes (docs/quants.md §1.4); pinned by a test.
 IQ2_GRID_SHA256 = "05826b5d3e472a3a78f196be62ac78acf81df0f909626e12ab9fa2a5d490dd54"
 
 
@@ -167,7 +167,7 @@ def dequantize(data: mx.array, qtype: QT) -> mx.array:
     return dequantize_blocks(data, qtype)
 
 
-# --- random valid blocks (QUANTS.md §5.2), for tests and benchmarks ---------------------------------------
+# --- random valid blocks (docs/quants.md §5.2), for tests and benchmarks ---------------------------------------
 
 # Byte offsets of the f16 fields that must hold finite values; every other bit pattern is legal.
 F16_FIELDS = {QT.Q8_0: (0,), QT.Q2_K: (80, 82), QT.Q4_K: (0, 2), QT.IQ2_XXS: (0,)}

@@ -2,7 +2,7 @@
 
 ``random_model("full")`` gives a model of the real DeepSeek V4 Flash shape (~87 GB of q2 weights) so anyone
 with a large GPU or Mac can measure speed without the 81 GB download; ``random_model("tiny")`` gives the
-MODEL.md §9 test shape (CPU ok). The values are random but every quantized block is valid (finite f16
+docs/model.md §9 test shape (CPU ok). The values are random but every quantized block is valid (finite f16
 scales, values with std ≈ fan-in^-1/2), so activations stay O(1) and the kernels do their real work.
 Every tensor is its own buffer (nothing shared between layers), so caches do not flatter timings.
 
@@ -95,7 +95,7 @@ def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict
 
 
 def shape_config(shape: str = "tiny", layers: int | None = None) -> ModelConfig:
-    """The config of a named shape: ``tiny`` (MODEL.md §9) or ``full`` (V4 Flash); ``layers`` truncates it."""
+    """The config of a named shape: ``tiny`` (docs/model.md §9) or ``full`` (V4 Flash); ``layers`` truncates it."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
     cfg = flash_config() if shape == "full" else tiny_config()

@@ -1,4 +1,4 @@
-"""Token sampling exactly as ds4 does it (SERVING.md §3), plus stop-string handling.
+"""Token sampling exactly as ds4 does it (docs/serving.md §3), plus stop-string handling.
 
 Order of operations (ds4's, not llama.cpp's): temperature first, then top-k (on raw logits), then min-p, then
 top-p, then the draw; min-p and top-p both use probabilities normalised over all finite logits (or over the k

@@ -1,4 +1,4 @@
-"""A generation session: the token history, the per-layer KV state and the last logits (MODEL.md §5).
+"""A generation session: the token history, the per-layer KV state and the last logits (docs/model.md §5).
 
 ``prefill`` feeds a prompt in chunks (any chunk size: boundaries need not line up with the compression
 ratios), ``step`` decodes one token, and ``snapshot``/``restore`` keep and bring back the whole state in

@@ -1,4 +1,4 @@
-"""Tiny random-weight DS4 GGUFs in the real layout (MODEL.md §9) — the project's test bed.
+"""Tiny random-weight DS4 GGUFs in the real layout (docs/model.md §9) — the project's test bed.
 
 The real model is 81 GB; these files have the same metadata keys, tensor names, dtypes and structural
 features (hash layers, CSA/HCA compression, indexer, q2/q4/f16 experts) at a size that runs on a laptop CPU.
@@ -54,7 +54,7 @@ class LazyTensor:
 
 
 def tiny_config(hca_ratio: int = 16, layers: int = 6, **overrides) -> ModelConfig:
-    """The tiny config of MODEL.md §9.1: ratios 0,0 then alternating 4/R; 3 hash layers."""
+    """The tiny config of docs/model.md §9.1: ratios 0,0 then alternating 4/R; 3 hash layers."""
     ratios = tuple([0, 0] + [4 if il % 2 == 0 else hca_ratio for il in range(2, layers)])
     values = dict(
         n_layer=layers, n_embd=256, n_vocab=512, n_head=4, n_head_kv=1, head_dim=128, n_rot=64,
@@ -278,7 +278,7 @@ SCALE_FIELDS = {T.Q8_0: (0, None, 0.0), T.IQ2_XXS: (0, None, 0.0), T.Q2_K: (80, 
 
 def random_weight_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, ...], std: float,
                          fast: bool = False) -> np.ndarray:  # fmt: skip
-    """Random but valid GGUF blocks (QUANTS.md §5.2) whose dequantized values have standard deviation ≈ std.
+    """Random but valid GGUF blocks (docs/quants.md §5.2) whose dequantized values have standard deviation ≈ std.
 
     Returns uint8 of shape ``(*shape[:-1], row_bytes)``. Uniform random bytes (``fast``: from ``rng.bytes``,
     several times quicker than ``rng.integers``, other values), then the f16 scale fields overwritten with
@@ -374,7 +374,7 @@ def _merge_word(word: tuple[str, ...], pair: tuple[str, str], joined: str) -> tu
 
 
 def flash_config() -> ModelConfig:
-    """The real DeepSeek V4 Flash shape (MODEL.md §1), for benchmarks with in-memory random weights."""
+    """The real DeepSeek V4 Flash shape (docs/model.md §1), for benchmarks with in-memory random weights."""
     ratios = tuple([0, 0] + [4 if il % 2 == 0 else 128 for il in range(2, 43)])
     return tiny_config(
         layers=43, n_embd=4096, n_vocab=129280, n_head=64, head_dim=512, q_lora_rank=1024, o_lora_rank=1024,

@@ -1,4 +1,4 @@
-"""DeepSeek V4 byte-level BPE tokenizer built from a GGUF's ``tokenizer.*`` keys (SERVING.md §1).
+"""DeepSeek V4 byte-level BPE tokenizer built from a GGUF's ``tokenizer.*`` keys (docs/serving.md §1).
 
 What this module owns:
 
@@ -362,7 +362,7 @@ class Tokenizer:
 
 
 class StreamingDetokenizer:
-    """Incremental id -> text that never emits a broken UTF-8 sequence (SERVING.md §9.11).
+    """Incremental id -> text that never emits a broken UTF-8 sequence (docs/serving.md §9.11).
 
     An incomplete trailing sequence is held until its continuation bytes arrive; bytes that can never become
     valid UTF-8 are emitted as U+FFFD, so the concatenation of every chunk plus :meth:`finalize` equals

@@ -1,4 +1,4 @@
-"""Attention sublayer (MODEL.md §4.4-4.7, §4.11) vs a float64 NumPy reference written from the spec.
+"""Attention sublayer (docs/model.md §4.4-4.7, §4.11) vs a float64 NumPy reference written from the spec.
 
 The reference decodes one token at a time with ds4's own state layout (frontier rows ``r + p%r``, the copy
 of rows 4..7 to 0..3, repeated strict-``>`` argmax for the indexer); the MLX layer is checked against it in
@@ -96,7 +96,7 @@ def rms(x, w=None, eps=1e-6):
 
 
 def yarn_theta(cfg: ModelConfig, il: int, p: int) -> np.ndarray:
-    """MODEL.md §4.5 angles for the 32 pairs, float64."""
+    """docs/model.md §4.5 angles for the 32 pairs, float64."""
     k = np.arange(cfg.n_rot // 2)
     if cfg.compress_ratio(il) == 0:
         return p * cfg.rope_freq_base ** (-2.0 * k / cfg.n_rot)
@@ -158,7 +158,7 @@ def f16r_ref(v: np.ndarray) -> np.ndarray:
 
 
 class RefAttention:
-    """One attention layer, float64, decode only. ``ds4=True`` adds ds4's rounding steps (MODEL.md §4.12):
+    """One attention layer, float64, decode only. ``ds4=True`` adds ds4's rounding steps (docs/model.md §4.12):
     FP8 + f16r on raw and compressed rows, QAT + f16r on indexer rows, QAT on indexer q."""
 
     def __init__(self, cfg: ModelConfig, il: int, w: dict, ds4: bool = False):

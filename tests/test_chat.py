@@ -1,4 +1,4 @@
-"""Prompt rendering tests (SERVING.md §2): the §2.7 examples byte for byte, every thinking mode, the tools block,
+"""Prompt rendering tests (docs/serving.md §2): the §2.7 examples byte for byte, every thinking mode, the tools block,
 canonical DSML history, and the /v1/completions and CLI renderers.
 
 The long fixed texts (tools block header/tail, Think-Max prefix) and two rendered chats are ds4's, byte for byte,

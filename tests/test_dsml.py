@@ -1,5 +1,5 @@
-"""DSML tests: canonical rendering (SERVING.md §2.5), final parse and repair rules (§6.3), finish reasons, and the
-generation-time trackers (§6.2)."""
+"""DSML tests: canonical rendering (docs/serving.md §2.5), final parse and repair rules (§6.3), finish reasons, and
+the generation-time trackers (§6.2)."""
 
 from __future__ import annotations
 

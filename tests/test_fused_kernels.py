@@ -216,7 +216,7 @@ def pool_inputs(nw: int, ratio: int, hd: int, seed: int = 0, first: bool = False
 
 
 def pool_numpy(kv, sc, norm, rope, starts, ratio, eps=1e-6):
-    """Float64 reference of MODEL.md §4.6 steps 4-6 from the frontier layout."""
+    """Float64 reference of docs/model.md §4.6 steps 4-6 from the frontier layout."""
     kv, sc = np.asarray(kv, np.float64), np.asarray(sc, np.float64)
     nw, rows, w = kv.shape
     if ratio == 4:

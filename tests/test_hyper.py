@@ -1,4 +1,5 @@
-"""mHC pre / post / output head (ds4_mlx.model.hyper) against a float64 NumPy implementation of MODEL.md §4.3, §4.9, §4.10."""
+"""mHC pre / post / output head (ds4_mlx.model.hyper) against a float64 NumPy implementation of docs/model.md §4.3,
+§4.9, §4.10."""
 
 from __future__ import annotations
 

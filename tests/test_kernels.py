@@ -1,4 +1,4 @@
-"""Custom kernels (ds4_mlx.kernels) vs gguf-py dequant + float64 matmul (QUANTS.md §5.3).
+"""Custom kernels (ds4_mlx.kernels) vs gguf-py dequant + float64 matmul (docs/quants.md §5.3).
 
 The CPU-runnable parts (routing map, lossless Q8_0 repack) run in CI. The kernel runs need a GPU backend
 (Metal or CUDA) and are skipped otherwise; ``benchmarks/gpu_check.py`` runs this file on the H200.
@@ -23,7 +23,7 @@ kernels = _kernels()
 F32_TOL = 1e-6  # decode kernels: exact weights, f32 activations and accumulation
 BF16_TOL = 4e-3  # prefill: bf16 weights and activations (each rounding ≤ 2^-9), f32 accumulation
 BF16_EMU_TOL = 2e-5  # prefill vs a float64 product of the same bf16-rounded operands: only f32 accumulation
-XQ_TOL = 5e-3  # x quantized to signed bytes (the routed experts on CUDA, QUANTS.md §5.3)
+XQ_TOL = 5e-3  # x quantized to signed bytes (the routed experts on CUDA, docs/quants.md §5.3)
 XQ_EMU_TOL = 2e-6  # quantized x vs a float64 product of the same quantized x: only f32 scales and sums
 
 
@@ -366,7 +366,7 @@ def test_quantize_x_layout():
 @pytest.mark.parametrize("qt", kernels.MV_XQ_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("epi", [kernels.MV_PLAIN, kernels.MV_SUM], ids=["plain", "sum"])
 def test_mv_quantized_x(qt, epi):
-    """mv.body XQ (x from kernels.quantize_x): within QUANTS.md §5.3's bound of the exact product, and equal (but
+    """mv.body XQ (x from kernels.quantize_x): within docs/quants.md §5.3's bound of the exact product, and equal (but
     for f32 rounding) to a float64 product of the quantized x (quantize_x_octets)."""
     rng = np.random.default_rng(int(qt) + epi)
     E, out, n_in, T, k = 8, 37, 512 + 256, 2, 3  # a short last span, rows not a multiple of NR
@@ -471,7 +471,7 @@ def test_quantweight_matmul_dispatch(qt, N):
 
 @needs_gpu
 def test_warp_is_32_lanes():
-    """The prologue assumes 32-lane simdgroups/warps (QUANTS.md §3.4): a 1-unit row summed by lane 0..31."""
+    """The prologue assumes 32-lane simdgroups/warps (docs/quants.md §3.4): a 1-unit row summed by lane 0..31."""
     rng = np.random.default_rng(9)
     w, ref = make_weight(rng, QT.F32, (4, 32 * 64), np.float32)
     x = rng.standard_normal((1, 32 * 64)).astype(np.float32)

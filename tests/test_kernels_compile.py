@@ -1,4 +1,4 @@
-"""CI compile checks of every kernel instantiation without a GPU (QUANTS.md §3.4).
+"""CI compile checks of every kernel instantiation without a GPU (docs/quants.md §3.4).
 
 1. Metal: the exact text MLX generates (printed by ``verbose=True`` under ``mx.export_function`` tracing),
    type-checked with ``g++ -fsyntax-only`` against ``custom_kernels/metal_shim.h``.

@@ -179,7 +179,7 @@ def _payload_index_rows(path, cfg) -> list[np.ndarray]:
 
 
 def test_payload_layout_follows_dsv4(model_tok, saved):
-    """Header fields and total size as MODEL.md §5.2 lays them out (computed independently here)."""
+    """Header fields and total size as docs/model.md §5.2 lays them out (computed independently here)."""
     model, _ = model_tok
     s, payload, _, _ = saved
     cfg = model.cfg
@@ -372,7 +372,7 @@ def test_store_policy_min_tokens_and_budget(model_tok, saved, tmp_path):
 
 def test_cold_and_continued_boundaries():
     p = CachePolicy()
-    assert p.cold_length(list(range(100, 11111)), 1, 2) == 10240  # 11011 tokens -> 10240 (SERVING.md §5.5)
+    assert p.cold_length(list(range(100, 11111)), 1, 2) == 10240  # 11011 tokens -> 10240 (docs/serving.md §5.5)
     assert p.cold_length(list(range(100, 1795)), 1, 2) == 1695  # too short to align -> the whole prompt
     toks = [0] + [9] * 600 + [1] + [9] * 5 + [2] + [9] * 10  # BOS, system, <User> at 601, <Assistant>
     assert p.cold_length(toks, 1, 2) == 601
@@ -438,7 +438,7 @@ def test_resaving_the_same_prefix_keeps_its_history(model_tok, saved, tmp_path):
 
 # --- interop with ds4's files and integrity --------------------------------------------------------------------
 def _ds4_reads(path, *, ctx: int, n_swa: int, layers: int, quant_bits=(2, 4)) -> dict:
-    """ds4's loader rules (ds4_kvstore_read_header/read_entry_file, ds4_session_load_payload; SERVING.md §5.4),
+    """ds4's loader rules (ds4_kvstore_read_header/read_entry_file, ds4_session_load_payload; docs/serving.md §5.4),
     written out independently: what ds4 would accept of a file, or an AssertionError."""
     data = path.read_bytes()
     assert data[:4] == b"KVC\x01" and data[4] in quant_bits

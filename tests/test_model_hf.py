@@ -1,8 +1,8 @@
-"""The ``hf`` profile against transformers ``DeepseekV4ForCausalLM`` (float32, eager), MODEL.md §9.3.
+"""The ``hf`` profile against transformers ``DeepseekV4ForCausalLM`` (float32, eager), docs/model.md §9.3.
 
 Both models get the same random weights from one tiny GGUF: ds4_mlx through its own loader, transformers
 through ``gguf.GGUFReader`` + ``gguf.quants.dequantize`` (an independent decoding path) and the name map of
-MODEL.md §3. Every transformers parameter and buffer is overwritten from the file (the factory writes
+docs/model.md §3. Every transformers parameter and buffer is overwritten from the file (the factory writes
 random nonzero sinks, HC base/scale, APE, router bias and tid2eid), which the tests check.
 """
 
@@ -60,7 +60,7 @@ GLOBAL_MAP = {
 
 
 def hf_config(R: int, n_layer: int = 6):
-    """MODEL.md §9.3, verbatim."""
+    """docs/model.md §9.3, verbatim."""
     return transformers.DeepseekV4Config(
         vocab_size=512, hidden_size=256, moe_intermediate_size=256, num_hidden_layers=n_layer,
         num_attention_heads=4, num_key_value_heads=1, head_dim=128, q_lora_rank=64, num_experts_per_tok=6,
@@ -109,7 +109,7 @@ def hf_model_from_gguf(path, R: int):
         if short in ("ffn_gate_exps", "ffn_up_exps"):
             continue  # stacked below
         target = p + LAYER_MAP[short]
-        if target not in state:  # the hash router has no e_score_correction_bias (MODEL.md §9.3)
+        if target not in state:  # the hash router has no e_score_correction_bias (docs/model.md §9.3)
             assert short == "exp_probs_b", name
             continue
         new[target] = torch.from_numpy(arr.astype(np.int64) if short == "ffn_gate_tid2eid" else arr)

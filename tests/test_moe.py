@@ -1,4 +1,4 @@
-"""MoE sublayer (ds4_mlx.model.moe) against a float64 NumPy implementation of MODEL.md §4.8."""
+"""MoE sublayer (ds4_mlx.model.moe) against a float64 NumPy implementation of docs/model.md §4.8."""
 
 from __future__ import annotations
 

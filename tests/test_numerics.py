@@ -1,4 +1,4 @@
-"""ds4 rounding simulations vs direct NumPy implementations of MODEL.md §4.1 (table search, explicit tie rule)."""
+"""ds4 rounding simulations vs direct NumPy implementations of docs/model.md §4.1 (table search, explicit tie rule)."""
 
 import math
 

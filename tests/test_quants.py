@@ -1,4 +1,4 @@
-"""ds4_mlx.quants vs gguf-py's numpy dequantizers (QUANTS.md §1, §5.2, §5.3): exact values, golden blocks."""
+"""ds4_mlx.quants vs gguf-py's numpy dequantizers (docs/quants.md §1, §5.2, §5.3): exact values, golden blocks."""
 
 import hashlib
 
@@ -14,7 +14,7 @@ SPECIAL_D = [0.0, -0.0, -0.03125, 2.0**-20, 65504.0, -2.0**-24, 1e-4]
 
 
 def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
-    """Equal as values (+0.0 == -0.0, QUANTS.md §5.3); shapes must match too."""
+    """Equal as values (+0.0 == -0.0, docs/quants.md §5.3); shapes must match too."""
     return a.shape == b.shape and np.array_equal(a + np.float32(0), b + np.float32(0))
 
 
@@ -50,7 +50,7 @@ def test_edge_case_f16_fields(qt):
 
 
 def _edge_pattern(qt: QT) -> np.ndarray:
-    """One block with every quant field at its maximum, per QUANTS.md §5.2."""
+    """One block with every quant field at its maximum, per docs/quants.md §5.2."""
     b = np.full((1, quants.type_size(qt)), 0xFF, dtype=np.uint8)
     if qt == QT.Q8_0:
         b[0, 2:] = 0x80  # q = -128 everywhere
@@ -80,7 +80,7 @@ def _f16_bytes(v: float) -> bytes:
 
 
 def test_q2_k_worked_example():
-    """QUANTS.md §1.2."""
+    """docs/quants.md §1.2."""
     b = np.zeros((1, 84), dtype=np.uint8)
     b[0, [0, 2, 4, 6]] = [0x21, 0x35, 0x0F, 0xF7]
     b[0, 16], b[0, 17] = 0xE4, 0xFF
@@ -95,7 +95,7 @@ def test_q2_k_worked_example():
 
 
 def test_q4_k_worked_example():
-    """QUANTS.md §1.3."""
+    """docs/quants.md §1.3."""
     b = np.zeros((1, 144), dtype=np.uint8)
     b[0, 0:2] = np.frombuffer(_f16_bytes(0.5), np.uint8)
     b[0, 2:4] = np.frombuffer(_f16_bytes(0.25), np.uint8)
@@ -107,7 +107,7 @@ def test_q4_k_worked_example():
 
 
 def test_iq2_xxs_worked_example():
-    """QUANTS.md §1.4: the block that starts 00 2C 00 01 02 FF 80 C0 E0 5F, other groups all zero."""
+    """docs/quants.md §1.4: the block that starts 00 2C 00 01 02 FF 80 C0 E0 5F, other groups all zero."""
     b = np.zeros((1, 66), dtype=np.uint8)
     b[0, :10] = [0x00, 0x2C, 0x00, 0x01, 0x02, 0xFF, 0x80, 0xC0, 0xE0, 0x5F]
     w = _deq(b, QT.IQ2_XXS)[0]

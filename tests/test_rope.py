@@ -1,4 +1,4 @@
-"""ds4 partial interleaved RoPE + YaRN (MODEL.md §4.5) vs the formula in float64 and vs transformers."""
+"""ds4 partial interleaved RoPE + YaRN (docs/model.md §4.5) vs the formula in float64 and vs transformers."""
 
 import math
 
@@ -25,7 +25,7 @@ def make_config(n_layer=6, R=16, **kw) -> ModelConfig:
 
 
 def theta_f64(p: float, k: int, rope: Rope) -> float:
-    """MODEL.md §4.5 in float64, written out per pair."""
+    """docs/model.md §4.5 in float64, written out per pair."""
     extrap = p * rope.base ** (-2 * k / rope.n_rot)
     if not rope.yarn:
         return extrap

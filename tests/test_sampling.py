@@ -1,4 +1,4 @@
-"""Sampling tests (SERVING.md §3): greedy = argmax rules, a loop-by-loop transcription of §3's prose as the
+"""Sampling tests (docs/serving.md §3): greedy = argmax rules, a loop-by-loop transcription of §3's prose as the
 reference (same RNG, random logits with NaN/inf and out-of-range knobs), fixed-seed statistics, truncation by
 min_p / top_p / top_k, server overrides and stop strings."""
 

@@ -1,5 +1,5 @@
-"""Live protocol bindings (SERVING.md §5.2 #1-#3, §5.3, §4.8): Codex/Claude Code tool loops that send only the tool
-outputs continue from the live KV; mismatches get 409 / 400 in each API's shape; an unrelated request clears the
+"""Live protocol bindings (docs/serving.md §5.2 #1-#3, §5.3, §4.8): Codex/Claude Code tool loops that send only the
+tool outputs continue from the live KV; mismatches get 409 / 400 in each API's shape; an unrelated request clears the
 bindings; the Responses visible key goes to the disk cache (ext bit1).
 
 In-process over the fake engine (tests/server_util.py) with the output-forcing test hook; the tail rendering is

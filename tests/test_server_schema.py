@@ -5,7 +5,7 @@ schema (negative mode): boundary values, wrong types at every depth, missing fie
 response must be no 5xx, with a status, content type and body the document lists; a body the schema rejects
 must get a 4xx (the document claims no more than the handlers enforce) and a body it accepts a 2xx unless the
 request is refused for state rather than shape (its prompt passes the context, or it answers tool calls that are
-neither replayed nor live, SERVING.md §4.8). Bounded: ``MAX_EXAMPLES`` per operation and mode, 1,673 requests:
+neither replayed nor live, docs/serving.md §4.8). Bounded: ``MAX_EXAMPLES`` per operation and mode, 1,673 requests:
 13 s on two idle cores, 42 s with the cores shared by several jobs.
 """
 

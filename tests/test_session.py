@@ -1,4 +1,4 @@
-"""Session: chunked prefill == full prefill == token-by-token decode, snapshot/restore (MODEL.md §4.11, §5)."""
+"""Session: chunked prefill == full prefill == token-by-token decode, snapshot/restore (docs/model.md §4.11, §5)."""
 
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def test_decode_quantized_x(model):
     """The routed experts' input quantized (Numerics.quantized_x, the ds4 profile's default on the GPU): four
     steps with it against the same steps with f32 x, op by op (the flag is read when a step is built), on the
     GPU's kernels or else on the sim backend's. They differ (the quantized path ran), by little, and pick
-    the same greedy tokens (QUANTS.md §8 ruling 4). The FP8 KV rounding amplifies the difference: 5e-4 to 2e-3
+    the same greedy tokens (docs/quants.md §8 ruling 4). The FP8 KV rounding amplifies the difference: 5e-4 to 2e-3
     of the logit scale here, against 5e-5 to 7.5e-5 in the hf profile (measured; not run, to save CI time)."""
     if not model.numerics.quantized_x:
         pytest.skip("the ds4 profile's default (the hf profile keeps f32 x)")

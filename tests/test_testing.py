@@ -108,7 +108,7 @@ def test_tokenizer_round_trips_with_hf_tokenizers():
 
 
 def test_layout_reproduces_published_sizes():
-    """MODEL.md §3.5 / §10: 1328 tensors, 86,714,775,900 bytes (q2), 9.196 GB read per short-context token."""
+    """docs/model.md §3.5 / §10: 1328 tensors, 86,714,775,900 bytes (q2), 9.196 GB read per short-context token."""
     cfg = flash_config()
     q2, q4 = layout_sizes(cfg, "q2"), layout_sizes(cfg, "q4")
     assert len(q2) == 1328

@@ -1,4 +1,4 @@
-"""Tokenizer tests (SERVING.md §1) on a small real byte-level BPE vocabulary trained here with `tokenizers`.
+"""Tokenizer tests (docs/serving.md §1) on a small real byte-level BPE vocabulary trained here with `tokenizers`.
 
 References are independent of the code under test: a hand-written port of §1.3's nine prose rules (not the
 regex), a naive leftmost-lowest-rank BPE (§1.5), the GPT-2 byte map rebuilt from its prose definition, and the

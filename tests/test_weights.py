@@ -1,4 +1,4 @@
-"""QuantWeight (fallback backend) vs gguf-py dequant + float64 numpy matmul (QUANTS.md §5.3)."""
+"""QuantWeight (fallback backend) vs gguf-py dequant + float64 numpy matmul (docs/quants.md §5.3)."""
 
 import gguf
 import mlx.core as mx

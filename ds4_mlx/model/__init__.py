@@ -1,5 +1,5 @@
 """The DeepSeek V4 Flash graph: hyper-connections, attention, MoE, the fused operations they run (kernels on
-the GPU, pure MLX elsewhere) and their assembly (MODEL.md §4)."""
+the GPU, pure MLX elsewhere) and their assembly (docs/model.md §4)."""
 
 from .model import Block, Model
 

@@ -1,4 +1,4 @@
-"""The attention sublayer of one layer (MODEL.md §4.4, §4.11) and its per-layer cache (§5.1).
+"""The attention sublayer of one layer (docs/model.md §4.4, §4.11) and its per-layer cache (§5.1).
 
     n  = rms(x) * attn_norm
     qr = rms(attn_q_a @ n) * attn_q_a_norm ;  q = headrms(attn_q_b @ qr)          [T, H, D]
@@ -47,7 +47,7 @@ GATHER_MIN_ROWS_PER_K = 4
 
 @dataclass
 class LayerCache:
-    """One layer's attention state (MODEL.md §5.1). Arrays are never mutated in place, only replaced."""
+    """One layer's attention state (docs/model.md §5.1). Arrays are never mutated in place, only replaced."""
 
     ratio: int
     pos: int  # tokens consumed so far (= position of the next token)
@@ -186,7 +186,7 @@ class Attention:
         self.n_group, self.o_lora = cfg.n_out_group, cfg.o_lora_rank
         self.n_swa, self.eps, self.scale = cfg.n_swa, cfg.rms_eps, cfg.attn_scale
         self.rope = Rope.for_layer(cfg, il, recurrence=self.numerics.rope_recurrence)
-        # With f16r every cached KV row is f16-exact (MODEL.md §4.12), so f16 storage is lossless. Indexer rows
+        # With f16r every cached KV row is f16-exact (docs/model.md §4.12), so f16 storage is lossless. Indexer rows
         # stay f32: the indexer scan reads them all as f32 operands, and they are a quarter of the width.
         self.kv_dtype = mx.float16 if self.numerics.f16_cache else mx.float32
 

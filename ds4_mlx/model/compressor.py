@@ -1,4 +1,4 @@
-"""KV compressor (MODEL.md §4.6): gated softmax pooling of every ``r`` tokens into one cached row.
+"""KV compressor (docs/model.md §4.6): gated softmax pooling of every ``r`` tokens into one cached row.
 
 The same algorithm serves the attention compressor (``attn_compressor_*``, ``hd = head_dim``) and the
 indexer compressor (``indexer_compressor_*``, ``hd = indexer_head_dim``). Ratio-4 layers use two

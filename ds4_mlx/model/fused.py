@@ -38,7 +38,7 @@ def hc_pre(
     S: mx.array | Cols, fn: Any, scale: mx.array, base: mx.array, cfg, *, norm: mx.array | None = None,
     backend: str | None = None, tpb: int | None = None, split: bool | None = None, cols: bool = False,
 ):  # fmt: skip
-    """HC pre (MODEL.md §4.3); same signature and results as :func:`.hyper.hc_pre`.
+    """HC pre (docs/model.md §4.3); same signature and results as :func:`.hyper.hc_pre`.
 
     S ``[T, n_hc, E]`` f32; fn the F16 ``QuantWeight [2n+n², n*E]``; scale ``[3]``; base ``[2n+n²]``.
     Returns ``x [T, E]``, ``post [T, n_hc]``, ``comb [T, n_hc, n_hc]``; with ``norm [E]`` the sublayer's
@@ -89,7 +89,7 @@ def hc_post(
     S: mx.array | Cols, y: mx.array, post: mx.array | Cols, comb: mx.array | Cols, *, n_hc: int | None = None,
     backend: str | None = None,
 ) -> mx.array:  # fmt: skip
-    """HC post (MODEL.md §4.9); same signature and results as :func:`.hyper.hc_post`. ``post`` and ``comb`` may
+    """HC post (docs/model.md §4.9); same signature and results as :func:`.hyper.hc_post`. ``post`` and ``comb`` may
     be :class:`Cols` of HC pre's output row (:func:`hc_pre` ``cols``), and ``S`` one token's state as
     :class:`Cols` of the mix launch's row (:func:`hc_post_pre` ``cols``; give ``n_hc`` then)."""
     out = K.hc_post(S, y, post, comb, n_hc=n_hc, backend=_pick(backend))
@@ -127,7 +127,7 @@ def compressor_pool(
     out_dtype: mx.Dtype = mx.float32,
     backend: str | None = None,
 ) -> mx.array:
-    """Pool, norm and RoPE finished compressor windows (MODEL.md §4.6 steps 4–6), then ds4's storage rounding
+    """Pool, norm and RoPE finished compressor windows (docs/model.md §4.6 steps 4–6), then ds4's storage rounding
     ``rounding`` (a :class:`ds4_mlx.numerics.RowRounding`, or ``None``) -> ``[nw, hd]`` as ``out_dtype``
     (float32, or float16 when the rounding ends in f16).
 
@@ -161,7 +161,7 @@ def compressor_emit(
     out_dtype: mx.Dtype = mx.float32, backend: str | None = None,
 ) -> tuple[mx.array, mx.array]:  # fmt: skip
     """The decode token that completes a window: :func:`compressor_write` of its row, :func:`compressor_pool`
-    of the frontier (``rounding``, ``out_dtype`` as there), then the next frontier (MODEL.md §4.6)
+    of the frontier (``rounding``, ``out_dtype`` as there), then the next frontier (docs/model.md §4.6)
     -> ``(row [1, hd], fr)``.
 
     ``fr [2, rows, lanes*hd]`` is the frontier, kv then score (:class:`ds4_mlx.model.compressor.CompressorState`).
@@ -188,7 +188,7 @@ def compressor_write(
     fr: mx.array, kv_row: mx.array | Cols, score_row: mx.array | Cols, ape: mx.array, at: mx.array, *,
     backend: str | None = None,
 ) -> mx.array:  # fmt: skip
-    """One decode token into its compressor frontier ``fr [2, R, W]`` (kv, then score; MODEL.md §4.6):
+    """One decode token into its compressor frontier ``fr [2, R, W]`` (kv, then score; docs/model.md §4.6):
     ``kv[at] = kv_row``, ``score[at] = score_row + ape`` -> the new frontier. ``kv_row``, ``score_row`` (each
     ``[1, W]`` or :class:`Cols`) and ``ape`` ``[1, W]`` are f32, ``at`` the frontier row
     (:func:`ds4_mlx.kernels.fused.kernel_index`)."""
@@ -217,7 +217,8 @@ def qkv_rows(
     window: tuple[mx.array, int, mx.dtype] | None = None,
     backend: str | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """Query heads and KV row after their projections (MODEL.md §4.4, §4.12) -> ``q [T, n_head, D]``, ``kv [T, D]``.
+    """Query heads and KV row after their projections (docs/model.md §4.4, §4.12) -> ``q [T, n_head, D]``,
+    ``kv [T, D]``.
 
     ``qb [T, n_head*D]`` (attn_q_b output): per-head RMS norm (no weight), RoPE. ``kvb [T, D]`` (attn_kv output;
     one token's may be :class:`Cols`): RMS norm × ``norm [D]``, RoPE, then the FP8 round trip of the first
@@ -256,7 +257,7 @@ def attend_one(
     nsg: int | None = None,
     backend: str | None = None,
 ) -> mx.array:
-    """One decode token's attention and the inverse RoPE of its output (MODEL.md §4.4) -> ``o [1, H, D]`` f32.
+    """One decode token's attention and the inverse RoPE of its output (docs/model.md §4.4) -> ``o [1, H, D]`` f32.
 
     ``q [1, H, D]`` f32 (RoPE'd); ``raw [Mr, D]``: the raw window, every row visible; ``comp [cap, D]``: the
     compressed-row buffer (raw's dtype, f16 or f32) or None; ``idx [1, k]`` (u)int32: the rows of ``comp`` the
@@ -283,7 +284,7 @@ def attend_one(
 def index_query(
     qb: mx.array, C: mx.array, S: mx.array, n_head: int, qat: bool, *, backend: str | None = None
 ) -> mx.array:
-    """The indexer's query heads (MODEL.md §4.7) -> ``[T, n_head, 128]``: RoPE of ``qb [T, n_head*128]``
+    """The indexer's query heads (docs/model.md §4.7) -> ``[T, n_head, 128]``: RoPE of ``qb [T, n_head*128]``
     (indexer.attn_q_b output) with the tokens' tables ``C, S [T, 128]``, then, with ``qat``, Hadamard-128 and
     the FP4 round trip (``numerics.indexer_qat``)."""
     q = K.index_query(qb, C, S, n_head, qat, backend=_pick(backend))
@@ -296,7 +297,7 @@ def index_query(
 def index_scores(
     iq: mx.array, w: mx.array | Cols, keys: mx.array, counts: mx.array, scale: float, *, backend: str | None = None
 ) -> mx.array:
-    """The indexer's scores of one decode token (MODEL.md §4.7) -> ``[1, N]``: ``iq [1, H, D]`` query heads,
+    """The indexer's scores of one decode token (docs/model.md §4.7) -> ``[1, N]``: ``iq [1, H, D]`` query heads,
     ``w [1, H]`` head weights (or :class:`Cols`; times ``scale``), ``keys [N, D]`` the indexer rows, of which
     the first ``counts[0]`` are scored (``counts`` from :func:`ds4_mlx.kernels.fused.kernel_counts`; the kernel
     writes 0 past them, the fallback scores all)."""
@@ -326,7 +327,7 @@ def moe_route(
     logits: mx.array, bias: mx.array | None, k: int, scale: float, norm: bool, *, packed: bool = False,
     backend: str | None = None,
 ) -> tuple[mx.array, mx.array | None]:  # fmt: skip
-    """Top-k router (MODEL.md §4.8) of ``logits [T, n_expert]`` (ffn_gate_inp output) -> expert ids int32
+    """Top-k router (docs/model.md §4.8) of ``logits [T, n_expert]`` (ffn_gate_inp output) -> expert ids int32
     ``[T, k]`` by descending ``prob + bias`` (ties to the lower id) and their weights ``[T, k]``: the unbiased
     probs, normalized if ``norm``, times ``scale``; same results as :func:`.ops.route_top_k`. ``packed``: where
     the kernel runs, ``(route, None)`` instead: its one int32 output ``[T, 2k]``, each row the ids then the
@@ -340,7 +341,7 @@ def expert_swiglu(
     gate: Any, up: Any, x: mx.array, clamp: float, ids: mx.array | None = None, route_w: mx.array | None = None,
     *, backend: str | None = None,
 ) -> mx.array:  # fmt: skip
-    """The experts' clamped SwiGLU (MODEL.md §4.8): ``swiglu(gate·x, up·x, clamp)``, times ``route_w`` if given.
+    """The experts' clamped SwiGLU (docs/model.md §4.8): ``swiglu(gate·x, up·x, clamp)``, times ``route_w`` if given.
 
     Dense (the shared expert): ``x [T, E]`` -> ``[T, F]``. Gathered (the routed experts, ``ids [T, k]``, route
     weights ``[T, k]``): -> ``[T, k, F]``. For decode-sized T on the GPU one matvec launch reads both weights and
@@ -357,7 +358,7 @@ def expert_swiglu(
 def expert_down_sum(
     down: Any, mid: mx.array, ids: mx.array, add: mx.array | None = None, *, backend: str | None = None
 ) -> mx.array:
-    """The routed experts' down projections summed per token (MODEL.md §4.8): ``mid [T, k, F]``, ``ids [T, k]``
+    """The routed experts' down projections summed per token (docs/model.md §4.8): ``mid [T, k, F]``, ``ids [T, k]``
     -> ``sum_j down[ids[t, j]] @ mid[t, j]`` ``[T, E]``, plus ``add [T, E]`` (the shared expert) if given.
     For decode-sized T on the GPU: one matvec launch instead of the gathered product, a reduction and an add."""
     y = K.expert_down_sum(down, mid, ids, add, backend=_pick(backend))
@@ -371,7 +372,7 @@ def experts_with_shared(
     gate: Any, up: Any, down: Any, shared_gate_up: Any, shared_down: Any, x: mx.array | Cols, ids: mx.array,
     route_w: mx.array | None, clamp: float, *, xq: mx.array | Cols | None = None, backend: str | None = None,
 ) -> mx.array | None:  # fmt: skip
-    """The whole expert part of the MoE (MODEL.md §4.8) in two matvec launches for decode-sized T on the GPU
+    """The whole expert part of the MoE (docs/model.md §4.8) in two matvec launches for decode-sized T on the GPU
     (:func:`ds4_mlx.kernels.fused.experts_with_shared`): the routed experts with ``ids`` and ``route_w`` (or
     :func:`moe_route`'s packed route and None) plus the shared expert, ``shared_gate_up`` its gate rows then its
     up rows; ``xq``: x quantized (:func:`hc_post_pre` ``quantize``). None where the kernels do not apply (the

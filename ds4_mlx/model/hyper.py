@@ -1,6 +1,6 @@
 """Manifold-constrained hyper-connections (mHC): HC pre, HC post and the output HC head.
 
-The residual state of every token is ``n_hc`` streams of width ``n_embd`` (MODEL.md §4.2). Each
+The residual state of every token is ``n_hc`` streams of width ``n_embd`` (docs/model.md §4.2). Each
 sublayer collapses them into one input with HC *pre* (§4.3) and expands its output back with HC
 *post* (§4.9); the final state is collapsed once more by the output HC head (§4.10).
 
@@ -57,7 +57,7 @@ _split_gates_compiled = mx.compile(_split_gates)
 def hc_pre(
     S: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg: ModelConfig
 ) -> tuple[mx.array, mx.array, mx.array]:
-    """HC pre (MODEL.md §4.3): collapse the streams into one sublayer input.
+    """HC pre (docs/model.md §4.3): collapse the streams into one sublayer input.
 
     Args:
         S: stream state ``[T, n_hc, E]`` f32.
@@ -73,7 +73,7 @@ def hc_pre(
 
 
 def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """HC post (MODEL.md §4.9): ``S_new[c] = post[c] * y + sum_r comb[r][c] * S[r]``.
+    """HC post (docs/model.md §4.9): ``S_new[c] = post[c] * y + sum_r comb[r][c] * S[r]``.
 
     S ``[T, n_hc, E]`` is the state that went into the matching :func:`hc_pre`; y ``[T, E]`` the
     sublayer output. Returns the new state ``[T, n_hc, E]``.
@@ -82,7 +82,7 @@ def hc_post(S: mx.array, y: mx.array, post: mx.array, comb: mx.array) -> mx.arra
 
 
 def hc_head(S: mx.array, fn: Any, scale: mx.array, base: mx.array, cfg: ModelConfig) -> mx.array:
-    """Output HC head (MODEL.md §4.10 steps 1–3): collapse the final streams ``[T, n_hc, E]`` -> ``[T, E]``.
+    """Output HC head (docs/model.md §4.10 steps 1–3): collapse the final streams ``[T, n_hc, E]`` -> ``[T, E]``.
 
     ``fn [n_hc, n_hc*E]`` (F16), ``scale [1]``, ``base [n_hc]``. The output norm and LM head follow.
     """

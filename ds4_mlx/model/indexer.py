@@ -1,4 +1,4 @@
-"""Lightning indexer of ratio-4 layers (MODEL.md §4.7): picks which compressed rows a query attends to.
+"""Lightning indexer of ratio-4 layers (docs/model.md §4.7): picks which compressed rows a query attends to.
 
     iq      = QAT(rope(indexer.attn_q_b @ qr))          [H_i, 128]
     w       = (indexer.proj @ n) / sqrt(128 * H_i)        [H_i]

@@ -1,4 +1,4 @@
-"""The whole DeepSeek V4 Flash forward pass (MODEL.md §4.2, §4.11, §11).
+"""The whole DeepSeek V4 Flash forward pass (docs/model.md §4.2, §4.11, §11).
 
 ``tokens -> embedding (n_hc identical streams) -> n_layer x [HC pre -> attention -> HC post ->
 HC pre -> MoE -> HC post] -> output HC head -> output norm -> LM head``. The per-layer KV state

@@ -1,5 +1,5 @@
 """The FFN sublayer: sqrt-softplus router, hash or top-k expert selection, clamped SwiGLU experts
-and the shared expert (MODEL.md §4.8, ds4 ``layer_ffn_one()``).
+and the shared expert (docs/model.md §4.8, ds4 ``layer_ffn_one()``).
 
 Routed experts run through ``QuantWeight.gather_matmul`` so only the selected experts' blocks are
 read; the expert tensors stay in their GGUF quantization. The router's and the activation's math is in

@@ -1,6 +1,6 @@
 """Pure-MLX operations that the sublayers run and the graph's fused operations fall back to (:mod:`.fused`).
 
-- :func:`attend`: softmax attention with a sink logit per head (MODEL.md §4.4);
+- :func:`attend`: softmax attention with a sink logit per head (docs/model.md §4.4);
 - :func:`index_scores_reference`, :func:`select_top_k`, :func:`selected_indices`: the indexer's scores and its
   top-k rows, ties to the lower row (§4.7);
 - :func:`route_top_k`: the top-k router (§4.8) and its parts, :func:`sqrt_softplus`, :func:`topk_lowest_index`

@@ -1,6 +1,6 @@
 """ds4's partial RoPE: interleaved pairs on the LAST ``n_rot`` dims of a vector, YaRN on compressed layers.
 
-MODEL.md §4.5 (``rope_tail_ext_inplace()``, ``rope_tail_layer_inplace()``). For pair ``k`` at position ``p``:
+docs/model.md §4.5 (``rope_tail_ext_inplace()``, ``rope_tail_layer_inplace()``). For pair ``k`` at position ``p``:
 
     theta_extrap_k = p * base^(-2k/n_rot)                      (f32)
     theta_interp_k = freq_scale * theta_extrap_k

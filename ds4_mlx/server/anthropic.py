@@ -1,4 +1,4 @@
-"""Anthropic ``/v1/messages`` (and ``/v1/messages/count_tokens``): request parsing (SERVING.md §4.3-4.4),
+"""Anthropic ``/v1/messages`` (and ``/v1/messages/count_tokens``): request parsing (docs/serving.md §4.3-4.4),
 the message object (§4.5) and the event stream ``message_start`` … ``message_stop`` (§4.6)."""
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from .openapi import openapi_document
 from .worker import GenParams, Job, Worker
 
 MODEL_CREATED = 1767225600
-MAX_JSON_DEPTH = 256  # ds4's JSON nesting limit (SERVING.md §4.3)
+MAX_JSON_DEPTH = 256  # ds4's JSON nesting limit (docs/serving.md §4.3)
 TEST_HOOKS_ENV = "DS4_MLX_TEST_HOOKS"  # enables the X-DS4-Test-* request headers (tests only)
 
 

@@ -1,4 +1,4 @@
-"""Live protocol bindings (SERVING.md §5.2 rows #1-#3, §5.3): the live KV is richer than the client's replay.
+"""Live protocol bindings (docs/serving.md §5.2 rows #1-#3, §5.3): the live KV is richer than the client's replay.
 
 After a Responses turn the server remembers the *visible* transcript the client will replay, the call ids and
 the live frontier; after an Anthropic tool turn the call ids and the frontier. A later request whose tool

@@ -1,4 +1,4 @@
-"""What every API module shares: the parsed request, errors, field checks, thinking resolution (SERVING.md §4.3),
+"""What every API module shares: the parsed request, errors, field checks, thinking resolution (docs/serving.md §4.3),
 usage accounting (§4.7), tool ids and the exact-DSML replay map (§6.5)."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def stop_of(body: dict, key: str) -> list[str]:
     return [v] if v else []
 
 
-# the knobs a client may set; SERVING.md §3 clamps out-of-range values, the server refuses them instead
+# the knobs a client may set; docs/serving.md §3 clamps out-of-range values, the server refuses them instead
 _RANGES = {"temperature": (lambda v: v >= 0, "must be ≥ 0"), "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
            "min_p": (lambda v: 0 <= v <= 1, "must be in [0, 1]"), "top_k": (lambda v: v >= 0, "must be ≥ 0")}
 

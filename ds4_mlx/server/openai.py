@@ -1,4 +1,4 @@
-"""OpenAI ``/v1/chat/completions`` and ``/v1/completions``: request parsing (SERVING.md §4.3-4.4), responses
+"""OpenAI ``/v1/chat/completions`` and ``/v1/completions``: request parsing (docs/serving.md §4.3-4.4), responses
 (§4.5) and stream chunks (§4.6)."""
 
 from __future__ import annotations

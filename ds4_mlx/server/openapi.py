@@ -1,6 +1,6 @@
 """The server's OpenAPI 3.1 document (served at ``/openapi.json``; schemathesis tests the server against it).
 
-Written by hand rather than generated: the endpoints accept the loose bodies real clients send (SERVING.md §11)
+Written by hand rather than generated: the endpoints accept the loose bodies real clients send (docs/serving.md §11)
 and answer bad input with each API's own error shape (§4.8), which a validating framework would replace. Every
 constraint written here is one the handlers enforce (a body that breaks it gets a 4xx naming the field); where a
 handler is lenient (unknown fields, roles and blocks are ignored) the schema says nothing.

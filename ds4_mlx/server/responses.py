@@ -1,4 +1,4 @@
-"""OpenAI ``/v1/responses`` (what Codex speaks): input items -> messages (SERVING.md §4.4), the response object
+"""OpenAI ``/v1/responses`` (what Codex speaks): input items -> messages (docs/serving.md §4.4), the response object
 (§4.5) and the lifecycle event stream with ``sequence_number`` (§4.6)."""
 
 from __future__ import annotations

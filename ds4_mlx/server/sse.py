@@ -1,4 +1,4 @@
-"""Server-sent events and the streaming split of generated text (SERVING.md §4.6).
+"""Server-sent events and the streaming split of generated text (docs/serving.md §4.6).
 
 :class:`DeltaSplitter` turns the raw generated text, fed as it arrives, into API-neutral events — reasoning
 deltas, visible text deltas, live tool-call starts and argument fragments — holding back whatever may still

@@ -1,4 +1,4 @@
-"""The single model worker (SERVING.md §4.9, §5.1-5.3, §3 stop rules).
+"""The single model worker (docs/serving.md §4.9, §5.1-5.3, §3 stop rules).
 
 One thread owns the model and its one live :class:`~ds4_mlx.session.Session`. Requests arrive as :class:`Job`
 objects in a FIFO queue and run one at a time, never interleaved. For each job the worker
