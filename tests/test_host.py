@@ -89,10 +89,10 @@ def test_expert_groups_and_out_of_range_ids():
         expert_groups(np.array([-1]), 4)
 
 
-@pytest.mark.parametrize("keys", ["comp", "gathered"])
-def test_attend(keys, monkeypatch):
+@pytest.mark.parametrize("keys, Nc", [("comp", 12), ("comp", 0), ("gathered", 12)])
+def test_attend(keys, Nc, monkeypatch):
     rng = np.random.default_rng(4)
-    H, D, Mr, Nc = 4, 32, 90, 12
+    H, D, Mr = 4, 32, 90
     q = mx.array(rng.standard_normal((T, H, D)).astype(np.float32))
     raw = mx.array(rng.standard_normal((Mr, D)).astype(np.float32))
     raw_mask = np.tril(np.ones((T, Mr), bool), k=Mr - T)  # causal, the first query sees 21 rows

@@ -14,7 +14,6 @@ import mlx.core as mx
 import numpy as np
 
 from .. import host
-
 from ..backend import kernel_backend
 from ..config import ModelConfig
 from ..kernels import MV_MAX_TOKENS, cols, mm_gather, mm_gather_swiglu, routes_for, supports

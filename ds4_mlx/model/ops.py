@@ -75,7 +75,7 @@ def _attend_host(
         parts.append(q @ gathered.swapaxes(1, 2))  # [T, H, k]
     masks.append(comp_mask)
     parts = [p if m is None else np.where(m[:, None, :], p, -np.inf) for p, m in zip(parts, masks)]
-    top = np.maximum(sinks[None, :], np.max([p.max(axis=-1) for p in parts], axis=0))[..., None]  # [T, H, 1]
+    top = np.maximum(sinks[None, :], np.max([p.max(axis=-1, initial=-np.inf) for p in parts], axis=0))[..., None]
     probs = [np.exp(p - top) for p in parts]
     denom = np.exp(sinks[None, :, None] - top) + sum(p.sum(axis=-1, keepdims=True) for p in probs)
     o = (probs[0].reshape(T * H, -1) @ raw).reshape(T, H, D)
