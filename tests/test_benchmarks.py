@@ -189,6 +189,17 @@ def test_timeline_reads_nsys_sqlite(tmp_path):
             "(1.00 instantiations a step)") in out
 
 
+def test_first_use_benchmark_times_every_stage(tmp_path):
+    """benchmarks/first_use.py at the tiny shape: load, three prefill chunks and two decode rounds, each timed."""
+    out = tmp_path / "first_use.json"
+    text = run_script("first_use", "--steps", 2, "--json", out).stdout
+    stages = json.loads(out.read_text())["stages"]
+    assert [st["stage"].split(" (")[0] for st in stages] == [
+        "build the random model", "prefill chunk 1", "prefill chunk 2", "prefill chunk 3", "decode round 1",
+        "decode round 2"]
+    assert all(st["seconds"] > 0 for st in stages) and "total" in text
+
+
 @pytest.mark.parametrize("script", ["kernel_speed", "kvcache", "load", "prefill_precision", "prefill_profile"])
 def test_scripts_parse_their_arguments(script):
     """The other scripts RESULTS.md runs at least import and parse ``--help`` (their runs need a GPU or minutes)."""
