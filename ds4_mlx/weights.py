@@ -138,6 +138,18 @@ class QuantWeight:
         """float32 of ``shape``, exactly the GGUF values."""
         return quants.dequantize(self.data, self.qtype)
 
+    def _values(self) -> mx.array:
+        """The float32 values: the kept ones, else decoded now."""
+        kept = self._cache.get("f32")
+        return self.dequantize() if kept is None else kept
+
+    def keep_dequantized(self) -> None:
+        """Keep the float32 values from now on, so that the pure-MLX paths stop decoding the blocks at every call
+        (the model decides when that is worth the memory: :meth:`ds4_mlx.model.model.Model.keep_dequantized`)."""
+        if "f32" not in self._cache:
+            self._cache["f32"] = self.dequantize()
+            mx.eval(self._cache["f32"])
+
     def rows(self, ids: mx.array) -> mx.array:
         """Rows ``ids`` of a 2-D weight as float32 ``[*ids.shape, in]`` (the embedding lookup)."""
         if len(self.shape) != 2:
@@ -207,7 +219,7 @@ class QuantWeight:
             xn = host.to_numpy(x)[0]
             return mx.array(np.stack([xn[g] @ self.host_f32(g, g + 1)[0].T for g in range(x.shape[0])]))
         else:
-            w = self.dequantize()
+            w = self._values()
         return x.astype(mx.float32) @ w.swapaxes(1, 2)
 
     # --- pure-MLX fallback, numpy for chunks on the CPU (ds4_mlx.host) ------------------------------------
@@ -217,7 +229,7 @@ class QuantWeight:
         GGUF values. The whole weight is kept after first use when it has at most HOST_CACHE_ELEMS values."""
         whole = self._cache.get("host_f32")
         if whole is None and int(np.prod(self.shape)) <= HOST_CACHE_ELEMS:
-            whole = self._cache["host_f32"] = host.to_numpy(self.dequantize())[0]
+            whole = self._cache["host_f32"] = host.to_numpy(self._values())[0]
         if whole is not None:
             return whole[i0:i1]
         return host.to_numpy(quants.dequantize(self.data[i0:i1], self.qtype))[0]
@@ -230,6 +242,8 @@ class QuantWeight:
             xn = host.to_numpy(x)[0].reshape(-1, n_in)
             y = np.concatenate([xn @ self.host_f32(r0, r0 + step).T for r0 in range(0, out, step)], axis=1)
             return mx.array(y).reshape(*x.shape[:-1], out)
+        if "f32" in self._cache:
+            return x @ self._cache["f32"].T
         parts = []
         for r0 in range(0, out, step):
             w = quants.dequantize(self.data[r0 : r0 + step], self.qtype)  # (rows, in) f32
@@ -249,8 +263,9 @@ class QuantWeight:
 
         if host.wanted(N):
             return mx.array(self.host_gather_matmul(*host.to_numpy(xp.reshape(P, n_in), ids))).reshape(out_shape)
-        if N == 1:  # a decode step (compiled: no host reads): dequantize the pairs' experts
-            w = quants.dequantize(self.data[flat], self.qtype)  # (k, out, in)
+        kept = self._cache.get("f32")
+        if N == 1:  # a decode step (compiled: no host reads): the pairs' experts
+            w = kept[flat] if kept is not None else quants.dequantize(self.data[flat], self.qtype)  # (k, out, in)
             return (xp @ w.swapaxes(1, 2)).reshape(out_shape)
         ids_np = np.array(flat)
         used, local = np.unique(ids_np, return_inverse=True)
@@ -258,7 +273,8 @@ class QuantWeight:
             raise IndexError(f"gather_matmul: expert id out of range [0, {E})")
         if used.size * out * n_in <= FALLBACK_MAX_ELEMS:
             # Each distinct expert dequantized once, each pair's product against its own.
-            w = quants.dequantize(self.data[mx.array(used.astype(np.int32))], self.qtype)  # (experts, out, in)
+            picked = mx.array(used.astype(np.int32))
+            w = kept[picked] if kept is not None else quants.dequantize(self.data[picked], self.qtype)
             return mx.gather_mm(xp, w.swapaxes(1, 2), rhs_indices=mx.array(local.astype(np.int32))).reshape(out_shape)
 
         # Many experts: visit them in memory-bounded chunks, pairs grouped by expert.

@@ -128,3 +128,19 @@ def test_routed_experts(tiny_gguf, il, monkeypatch):
     sel, w = ffn.route(n, mx.array(rng.integers(2, 500, T).astype(np.int32)))
     got, want = numpy_and_mlx(lambda: ffn.routed(n, sel, w), monkeypatch)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_small_models_keep_their_weights_dequantized(tiny_gguf, monkeypatch):
+    """On the CPU a small model keeps every weight's float32 values (stacked and split ones too), exactly the
+    GGUF's; a model over the limit keeps none."""
+    import ds4_mlx.model.model as model_mod
+
+    model, _ = load(tiny_gguf(experts="q2"))
+    weights = model_mod._quant_weights(model)
+    assert len(weights) > 60 and all("f32" in w._cache for w in weights)
+    for w in weights[:: len(weights) // 8]:
+        np.testing.assert_array_equal(np.array(w._cache["f32"]), np.array(w.dequantize()))
+    monkeypatch.setattr(model_mod, "KEEP_DEQUANTIZED_MAX_BYTES", 0)
+    big, _ = load(tiny_gguf(experts="q2"))
+    assert not any("f32" in w._cache for w in model_mod._quant_weights(big))
+

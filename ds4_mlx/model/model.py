@@ -17,6 +17,7 @@ import mlx.core as mx
 from ..config import ModelConfig
 from ..kernels.fused import fault_in
 from ..numerics import Numerics, get_numerics
+from ..weights import QuantWeight
 from .attention import Attention, DecodeKey, LayerCache, make_layer_cache
 from .fused import hc_post, hc_post_pre, hc_pre  # kernels on the GPU, .hyper on the CPU
 from .hyper import hc_head
@@ -24,6 +25,9 @@ from .moe import MoE
 
 # DS4_MLX_COMPILE=0 runs decode steps op by op (debugging, A/B timing); the default compiles them.
 COMPILE_DECODE = os.environ.get("DS4_MLX_COMPILE", "1").strip() != "0"
+# On the CPU the pure-MLX products decode a weight's blocks at every call, and MLX's CPU elementwise ops are slow:
+# that was ~2/3 of a demo-model decode step. A model whose float32 values fit in this keeps them instead.
+KEEP_DEQUANTIZED_MAX_BYTES = 512 << 20
 
 
 class PrefillCancelled(Exception):
@@ -119,6 +123,16 @@ class Model:
         # memory of long prefill chunks; single-token decode stays one lazy graph.
         self.eval_layers_from = 64
         self.set_compile_decode(COMPILE_DECODE)
+        f32_bytes = 4 * sum(w.shape[0] * w.in_features * (w.shape[1] if len(w.shape) == 3 else 1)
+                            for w in weights.values() if isinstance(w, QuantWeight))  # fmt: skip
+        if mx.default_device() == mx.cpu and f32_bytes <= KEEP_DEQUANTIZED_MAX_BYTES:
+            self.keep_dequantized()
+
+    def keep_dequantized(self) -> None:
+        """Every weight keeps its float32 values (:meth:`QuantWeight.keep_dequantized`): for small models on the
+        CPU, where the pure-MLX products would decode the blocks again at every call."""
+        for w in _quant_weights(self):
+            w.keep_dequantized()
 
     def set_compile_decode(self, on: bool) -> None:
         """Run one-token steps as compiled functions (the default) or op by op (``DS4_MLX_COMPILE=0``)."""
@@ -178,3 +192,21 @@ class Model:
             if should_stop is not None and should_stop():
                 raise PrefillCancelled(f"prefill stopped after layer {layer.il} of {len(self.layers)}")
         return self.head(S) if all_logits else self.head(S[-1:])[0]
+
+
+def _quant_weights(obj: Any, seen: set[int] | None = None) -> list[QuantWeight]:
+    """The :class:`QuantWeight` objects reachable from ``obj`` through the graph's own objects (layers,
+    sublayers), lists and tuples, each once (stacked and split weights included)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, QuantWeight):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        children = obj
+    elif type(obj).__module__.startswith("ds4_mlx.model"):
+        children = vars(obj).values()
+    else:
+        return []
+    return [w for child in children for w in _quant_weights(child, seen)]
