@@ -264,33 +264,33 @@ class QuantWeight:
         if host.wanted(N):
             return mx.array(self.host_gather_matmul(*host.to_numpy(xp.reshape(P, n_in), ids))).reshape(out_shape)
         kept = self._cache.get("f32")
-        if N == 1:  # a decode step (compiled: no host reads): the pairs' experts
-            w = kept[flat] if kept is not None else quants.dequantize(self.data[flat], self.qtype)  # (k, out, in)
-            return (xp @ w.swapaxes(1, 2)).reshape(out_shape)
-        ids_np = np.array(flat)
-        used, local = np.unique(ids_np, return_inverse=True)
-        if used.size and (used[0] < 0 or used[-1] >= E):
-            raise IndexError(f"gather_matmul: expert id out of range [0, {E})")
-        if used.size * out * n_in <= FALLBACK_MAX_ELEMS:
-            # Each distinct expert dequantized once, each pair's product against its own.
-            picked = mx.array(used.astype(np.int32))
-            w = kept[picked] if kept is not None else quants.dequantize(self.data[picked], self.qtype)
-            return mx.gather_mm(xp, w.swapaxes(1, 2), rhs_indices=mx.array(local.astype(np.int32))).reshape(out_shape)
 
-        # Many experts: visit them in memory-bounded chunks, pairs grouped by expert.
-        order = np.argsort(ids_np, kind="stable")  # pairs sorted by expert
-        uniq, starts = np.unique(ids_np[order], return_index=True)
-        bounds = np.append(starts, P)
+        def experts(picked: mx.array) -> mx.array:  # (len(picked), out, in) f32
+            return kept[picked] if kept is not None else quants.dequantize(self.data[picked], self.qtype)
+
+        if N == 1:  # a decode step (compiled: no host reads): the pairs' experts
+            return (xp @ experts(flat).swapaxes(1, 2)).reshape(out_shape)
+        # Each distinct expert dequantized once, each pair's product against its own.
+        groups = expert_groups(np.array(flat), E)
+        used = mx.array(np.array([e for e, _ in groups], np.int32))
         per_chunk = max(1, FALLBACK_MAX_ELEMS // (out * n_in))
+        if len(groups) <= per_chunk:
+            local = np.empty(P, np.int32)
+            for j, (_, pairs) in enumerate(groups):
+                local[pairs] = j
+            return mx.gather_mm(xp, experts(used).swapaxes(1, 2), rhs_indices=mx.array(local)).reshape(out_shape)
+
+        # Many experts: in memory-bounded chunks of experts, pairs grouped by expert.
         parts = []
-        for c0 in range(0, len(uniq), per_chunk):
-            c1 = min(c0 + per_chunk, len(uniq))
-            sel = order[bounds[c0] : bounds[c1]]  # pairs whose expert is in this chunk
-            local = np.searchsorted(uniq[c0:c1], ids_np[sel]).astype(np.int32)
-            w = quants.dequantize(self.data[mx.array(uniq[c0:c1].astype(np.int32))], self.qtype)  # (c, out, in)
-            y = mx.gather_mm(xp[mx.array(sel.astype(np.int32))], w.swapaxes(1, 2), rhs_indices=mx.array(local))
+        for c0 in range(0, len(groups), per_chunk):
+            chunk = groups[c0 : c0 + per_chunk]
+            sel = np.concatenate([pairs for _, pairs in chunk]).astype(np.int32)
+            local = np.repeat(np.arange(len(chunk), dtype=np.int32), [len(pairs) for _, pairs in chunk])
+            w = experts(used[c0 : c0 + per_chunk])  # (c, out, in)
+            y = mx.gather_mm(xp[mx.array(sel)], w.swapaxes(1, 2), rhs_indices=mx.array(local))
             parts.append(y.reshape(-1, out))
             mx.eval(parts[-1])  # bound peak memory to one chunk
+        order = np.concatenate([pairs for _, pairs in groups])
         inv = np.empty(P, dtype=np.int32)
         inv[order] = np.arange(P, dtype=np.int32)
         return mx.concatenate(parts, axis=0)[mx.array(inv)].reshape(out_shape)

@@ -8,6 +8,7 @@ lives in :class:`~ds4_mlx.model.attention.LayerCache` objects owned by the calle
 
 from __future__ import annotations
 
+import math
 import os
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -123,8 +124,7 @@ class Model:
         # memory of long prefill chunks; single-token decode stays one lazy graph.
         self.eval_layers_from = 64
         self.set_compile_decode(COMPILE_DECODE)
-        f32_bytes = 4 * sum(w.shape[0] * w.in_features * (w.shape[1] if len(w.shape) == 3 else 1)
-                            for w in weights.values() if isinstance(w, QuantWeight))  # fmt: skip
+        f32_bytes = 4 * sum(math.prod(w.shape) for w in weights.values() if isinstance(w, QuantWeight))
         if mx.default_device() == mx.cpu and f32_bytes <= KEEP_DEQUANTIZED_MAX_BYTES:
             self.keep_dequantized()
 
