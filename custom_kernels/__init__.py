@@ -290,13 +290,21 @@ def as_include(text: str) -> str:
 
 
 def build(name: str, input_names: list[str], output_names: list[str], header: str, source: str, backend: str):
-    """``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` of the rendered ``header`` and ``source``: the text
-    itself on Metal (its runtime compiler reads no files), one ``#include`` line each on CUDA
-    (:func:`as_include`)."""
+    """The launchable kernel of the rendered ``header`` and ``source``: ``mx.fast.metal_kernel`` of the text itself
+    on Metal (its runtime compiler reads no files); on CUDA cubins compiled once and cached on disk
+    (:class:`.cubin.CubinKernel`), else ``mx.fast.cuda_kernel`` of one ``#include`` line each (:func:`as_include`)."""
     if backend == "metal":
         make = mx.fast.metal_kernel
     elif backend == "cuda":
-        make, header, source = mx.fast.cuda_kernel, as_include(header), as_include(source)
+        from . import cubin
+
+        def jit():
+            return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
+                                       source=as_include(source), header=as_include(header))  # fmt: skip
+
+        if cubin.enabled():
+            return cubin.CubinKernel(name, input_names, output_names, header, source, kernel_cache_dir() / "cubin", jit)
+        return jit()
     elif backend == "sim":
         from .sim import SimKernel
 
