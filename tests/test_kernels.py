@@ -201,7 +201,10 @@ def test_dense_matmul_in_slabs(qt, monkeypatch):
     whole = np.array(kernels.dense_matmul(w, mx.array(x), BACKEND))
     monkeypatch.setattr(kernels, "DEQ_MAX_ELEMS", 20 * w.shape[1])  # 4 slabs of 20 rows
     slabs = np.array(kernels.dense_matmul(w, mx.array(x), BACKEND))
-    np.testing.assert_array_equal(slabs, whole)
+    if BACKEND == "sim":
+        np.testing.assert_array_equal(slabs, whole)
+    else:  # cuBLAS picks its kernel by shape, TF32 for one and f32 for another: 3.5e-4 relative seen on the H200
+        assert np.abs(slabs - whole).max() <= 2e-3 * np.abs(whole).max()
     assert rel_err(whole, x, ref, "ni,oi->no") <= (F32_TOL if BACKEND == "sim" else 2e-3)  # TF32 on CUDA
 
 
