@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench as B
-from .cli_common import check_output_file, fail
+from .cli_common import SsdCacheOpt, SsdStreamingOpt, check_output_file, expert_cache_size, fail
 from .session import DEFAULT_CHUNK
 
 bench_app = typer.Typer(
@@ -62,6 +62,8 @@ def bench(
     numerics: str = typer.Option("ds4", help="Numeric profile: ds4 or hf."),
     cache_limit_gb: Optional[float] = typer.Option(
         None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."),
+    ssd_streaming: bool = SsdStreamingOpt,
+    ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
     no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (a throwaway session that decodes 4 steps just below 4 x indexer top-k tokens and 4 more after one chunk past it, so kernel compilation and the decode-step traces are not timed)."),
 ) -> None:
     """Measure prefill and decode speed at each context frontier, ds4-bench's way (docs/serving.md §7)."""
@@ -69,6 +71,9 @@ def bench(
         return
     if (model is None) == (random_weights is None):
         fail("give exactly one of -m/--model FILE and --random-weights {tiny,full}")
+    expert_cache = expert_cache_size(ssd_streaming, ssd_streaming_cache_experts)
+    if expert_cache is not None and model is None:
+        fail("--ssd-streaming reads the experts from a file: give -m FILE")
     if random_weights is not None and random_weights not in ("tiny", "full"):
         fail(f"--random-weights must be tiny or full, got {random_weights!r}")
     if experts not in ("q2", "q4"):
@@ -105,6 +110,14 @@ def bench(
         except (DS4FormatError, OSError) as e:
             fail(str(e))
         cfg, weights_bytes = g.config, g.nbytes
+        if expert_cache is not None:
+            from .loader import check_expert_cache
+
+            try:
+                cache_bytes, routed_bytes = check_expert_cache(model, expert_cache)
+            except ValueError as e:
+                fail(str(e))
+            weights_bytes += cache_bytes - routed_bytes
         desc = f"{model.name} ({cfg.name or 'DS4'})"
         quant = f"{cfg.experts_label} ({'/'.join(cfg.expert_types)})"
         del g
@@ -129,7 +142,10 @@ def bench(
     else:
         from .loader import load
 
-        m, tok = load(model, numerics)
+        try:
+            m, tok = load(model, numerics, expert_cache=expert_cache)
+        except ValueError as e:
+            fail(str(e))
     load_s = time.perf_counter() - t0
     from .memory import set_memory_limits
 
@@ -184,6 +200,10 @@ def bench(
     except B.BenchError as e:
         fail(str(e))
     result.params, result.load_s = params, load_s
+    if m.expert_cache is not None:
+        st = result.params["experts"] = m.expert_cache.stats()
+        err.print(f"streamed experts: cache {st['slots']} of {st['experts_total']} ({_fmt_bytes(st['cap_bytes'])}), "
+                  f"hit rate {st['hit_rate']}, {_fmt_bytes(st['bytes_read'])} read in {st['read_s']} s")
 
     summary = Table(title="ds4-mlx bench", title_justify="left", caption=sline, caption_justify="left")
     for col in ("ctx", "prefill", "prefill t/s", "gen", "gen t/s", "kv bytes", "peak mem"):

@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType
 from rich.console import Console
 from rich.table import Table
 
-from .cli_common import ErrorLineGroup, check_output_file, check_sampling, fail, say
+from .cli_common import (ErrorLineGroup, SsdCacheOpt, SsdStreamingOpt, check_output_file, check_sampling,
+                         expert_cache_size, fail, say)
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
 from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
 from .gguf_file import DS4FormatError, open_gguf
@@ -207,8 +208,9 @@ def _model_path(model: Optional[Path], demo: bool) -> Path:
     return path
 
 
-def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = None):
-    """The model and tokenizer, with a bar for a long load; MLX's memory limits set for its size."""
+def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = None, expert_cache: str | None = None):
+    """The model and tokenizer, with a bar for a long load; MLX's memory limits set for its size. ``expert_cache``:
+    stream the routed experts through a cache of this size (:func:`ds4_mlx.cli_common.expert_cache_size`)."""
     from .loader import load
     from .memory import set_memory_limits
 
@@ -216,10 +218,13 @@ def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = N
     say(f"loading {path}…")
     bar = _DelayedBar("loading", bytes_=True)
     try:
-        m, tok = load(path, progress=lambda stage, done, total: bar(done, total, stage))
+        m, tok = load(path, progress=lambda stage, done, total: bar(done, total, stage), expert_cache=expert_cache)
         set_memory_limits(m.weights_bytes, cache_gb=cache_limit_gb)
+        if m.expert_cache is not None:
+            c = m.expert_cache
+            say(f"streaming the routed experts: a cache of {c.slots} of {c.n_units} ({c.nbytes / 2**30:.2f} GiB)")
         return m, tok
-    except ValueError as e:  # a bad --cache-limit-gb
+    except ValueError as e:  # a bad --cache-limit-gb or expert cache size
         fail(str(e))
     except DS4FormatError as e:
         fail(str(e))
@@ -358,6 +363,8 @@ def generate(
     logprobs_top_k: int = typer.Option(20, "--logprobs-top-k", help="Alternatives per step in --dump-logprobs (max 128)."),
     prefill_chunk: int = ChunkOpt,
     cache_limit_gb: Optional[float] = CacheLimitOpt,
+    ssd_streaming: bool = SsdStreamingOpt,
+    ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
 ) -> None:
     """Generate a continuation of one prompt, rendered as a DS4 chat turn (like `ds4 -p`).
 
@@ -381,7 +388,7 @@ def generate(
         return
     mode = _think_mode(think, nothink, think_max, ctx)
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
-    m, tok = _load(model, demo, cache_limit_gb)
+    m, tok = _load(model, demo, cache_limit_gb, expert_cache_size(ssd_streaming, ssd_streaming_cache_experts))
     ids = prompt_tokens(tok, prompt, system=system, think=mode)
     if len(ids) >= ctx:
         fail(f"the prompt is {len(ids)} tokens, which does not fit --ctx {ctx}")
@@ -392,6 +399,10 @@ def generate(
     session = Session(m, chunk_size=prefill_chunk, reserve=min(ctx, len(ids) + n))
     _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=_Printer())
     Console(stderr=True).print(stats_text(last), highlight=False)
+    if m.expert_cache is not None:
+        st = m.expert_cache.stats()
+        say(f"streamed experts: {st['hits']} hits, {st['misses']} misses (hit rate {st['hit_rate']}), "
+            f"{st['bytes_read'] / 2**30:.2f} GiB read in {st['read_s']} s, cache {st['cap_bytes'] / 2**30:.2f} GiB")
 
 
 def _dump_tokens(path: Path, prompt: str) -> None:
@@ -463,13 +474,15 @@ def chat(
     think_max: bool = ThinkMaxOpt,
     prefill_chunk: int = ChunkOpt,
     cache_limit_gb: Optional[float] = CacheLimitOpt,
+    ssd_streaming: bool = SsdStreamingOpt,
+    ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
 ) -> None:
     """Interactive chat (REPL) that streams tokens and keeps the conversation in the live KV cache."""
     _check_positive(tokens=tokens, ctx=ctx, prefill_chunk=prefill_chunk)
     check_sampling(temp, top_p, top_k, min_p)
     mode = _think_mode(think, nothink, think_max, ctx)
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
-    m, tok = _load(model, demo, cache_limit_gb)
+    m, tok = _load(model, demo, cache_limit_gb, expert_cache_size(ssd_streaming, ssd_streaming_cache_experts))
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     try:
         import readline

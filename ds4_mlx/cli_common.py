@@ -92,3 +92,20 @@ class ErrorLineGroup(TyperGroup):
             print("Aborted!", file=sys.stderr)
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+SsdStreamingOpt = typer.Option(
+    False, "--ssd-streaming",
+    help="Leave the routed experts in the GGUF and read them on demand into a device cache of fixed size "
+         "(for machines with less memory than the model; slower).")  # fmt: skip
+SsdCacheOpt = typer.Option(
+    None, "--ssd-streaming-cache-experts", metavar="N|N%|NGB",
+    help="Size of the streamed experts' cache: N experts (one layer's gate, up and down each), a share of all "
+         "of them, or GiB (default 50%; implies --ssd-streaming).")  # fmt: skip
+
+
+def expert_cache_size(ssd_streaming: bool, cache_experts: str | None) -> str | None:
+    """The ``expert_cache`` argument of :func:`ds4_mlx.loader.load` from the two streaming flags (None: resident)."""
+    if cache_experts is not None:
+        return cache_experts
+    return "50%" if ssd_streaming else None

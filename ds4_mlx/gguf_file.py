@@ -83,6 +83,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     data: np.ndarray  # uint8 (..., row_bytes) for block types; float16/float32/int32 of `shape` otherwise
     nbytes: int
+    offset: int = 0  # of the first byte in the file
 
 
 @dataclass(frozen=True)
@@ -151,20 +152,27 @@ def open_gguf(path: str | os.PathLike) -> GGUFModel:
     return GGUFModel(path, config, tensors, tokenizer, meta.values())
 
 
-def load_weights(model: GGUFModel, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+def load_weights(model: GGUFModel, progress: Callable[[int, int], None] | None = None, *,
+                 stream_experts: bool = False) -> dict[str, Any]:  # fmt: skip
     """Turn the bound tensors into MLX values keyed by GGUF name.
 
     Matrices (ndim >= 2) become :class:`ds4_mlx.weights.QuantWeight`; 1-D F32 tensors and the hash
-    routing tables become plain ``mx.array`` (float32 / int32). ``progress(bytes read, total)`` after each
-    tensor (each is copied out of the file's memory map, so this is the file's read).
+    routing tables become plain ``mx.array`` (float32 / int32). With ``stream_experts`` the routed experts stay in
+    the file (:class:`ds4_mlx.streaming.StreamedTensor`). ``progress(bytes read, total)`` after each tensor (each
+    is copied out of the file's memory map, so this is the file's read).
     """
     import mlx.core as mx
 
+    from .streaming import StreamedTensor, is_routed_expert
     from .weights import QuantWeight
 
     out: dict[str, Any] = {}
-    total, done = model.nbytes, 0
+    streamed = {n for n in model.tensors if stream_experts and is_routed_expert(n)}
+    total, done = model.nbytes - sum(model.tensors[n].nbytes for n in streamed), 0
     for name, t in model.tensors.items():
+        if name in streamed:
+            out[name] = StreamedTensor(name, t.qtype, t.shape, model.path, t.offset)
+            continue
         if name.endswith("ffn_gate_tid2eid.weight"):
             out[name] = mx.array(np.asarray(t.data, dtype=np.int32))
         elif len(t.shape) == 1:
@@ -322,7 +330,7 @@ def _bind_tensors(reader: GGUFReader, cfg: ModelConfig, where: str) -> dict[str,
             raise DS4FormatError(f"{where}: tensor {t.name} has type {qtype.name}, expected {allowed}")
         if shape != spec.shape:
             raise DS4FormatError(f"{where}: tensor {t.name} has shape {list(shape)}, expected {list(spec.shape)}")
-        found[t.name] = TensorInfo(t.name, qtype, shape, t.data, tensor_nbytes(shape, qtype))
+        found[t.name] = TensorInfo(t.name, qtype, shape, t.data, tensor_nbytes(shape, qtype), int(t.data_offset))
     missing = [n for n in expected if n not in found and n not in optional]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -18,6 +18,7 @@ def load(
     numerics: str | Numerics | None = "ds4",
     *,
     progress: Callable[[str, int, int], None] | None = None,
+    expert_cache: str | None = None,
 ) -> tuple[Model, Any]:
     """Load a DS4 GGUF or converted model directory -> ``(model, tokenizer)``; tokenizer is ``None`` when it
     can't be built.
@@ -26,17 +27,30 @@ def load(
     and gives bit-identical results. ``numerics`` picks the numeric profile: ``"ds4"`` (default, ds4's cache
     rounding simulated) or ``"hf"`` (plain f32). ``progress(stage, done, total)`` reports the GGUF's read
     (``"reading"``, bytes) and, on CUDA, the weights' move to the GPU (``"to device"``, bytes).
+
+    ``expert_cache`` (a GGUF only): leave the routed experts in the file and stream them through a device cache
+    of that size (``"N"`` experts, ``"N%"`` of them or ``"NGB"``, see :mod:`ds4_mlx.streaming`).
     """
     if Path(path).is_dir():
+        if expert_cache is not None:
+            raise ValueError(f"{path}: expert streaming reads a GGUF file, not a converted directory")
         from .mlx_dir import open_mlx_dir
 
         config, weights, tokenizer_data = open_mlx_dir(path)
     else:
         gguf = open_gguf(path)
         read = None if progress is None else lambda done, total: progress("reading", done, total)
-        config, weights, tokenizer_data = gguf.config, load_weights(gguf, read), gguf.tokenizer
+        weights = load_weights(gguf, read, stream_experts=expert_cache is not None)
+        config, tokenizer_data = gguf.config, gguf.tokenizer
         _to_device(weights, progress)
+    cache = None
+    if expert_cache is not None:
+        from .streaming import ExpertCache
+
+        cache = ExpertCache.from_weights(weights, expert_cache, min_slots=config.n_expert_used)
     model = Model(config, weights, numerics)
+    if cache is not None:
+        model.stream_experts(cache)
     try:
         from .tokenizer import Tokenizer
     except ImportError:
@@ -54,10 +68,26 @@ def _to_device(weights: dict[str, Any], progress: Callable[[str, int, int], None
 
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         return
-    arrays = [w.data if isinstance(w, QuantWeight) else w for w in weights.values()]
+    arrays = [w.data if isinstance(w, QuantWeight) else w for w in weights.values() if isinstance(w, (QuantWeight, mx.array))]
     total, done = sum(a.nbytes for a in arrays), 0
     for a in arrays:
         fault_in(a)
         done += a.nbytes
         if progress is not None:
             progress("to device", done, total)
+
+
+def check_expert_cache(path: str | os.PathLike, size: str) -> tuple[int, int]:
+    """Refuse, before any weight is read, an expert cache ``size`` that does not parse or cannot hold a token's
+    experts, or streaming from a converted directory (ValueError; a bad file raises DS4FormatError). Returns
+    (the cache's bytes, the routed experts' bytes in the file)."""
+    if Path(path).is_dir():
+        raise ValueError(f"{path}: expert streaming reads a GGUF file, not a converted directory")
+    from .streaming import check_cache_size, expert_unit_bytes, parse_cache_size
+
+    g = open_gguf(path)
+    cfg = g.config
+    unit, n_units = expert_unit_bytes(g.tensors), cfg.n_layer * cfg.n_expert
+    slots = min(parse_cache_size(size, unit, n_units) // unit, n_units)
+    check_cache_size(slots, cfg.n_expert_used, unit)
+    return slots * unit, n_units * unit

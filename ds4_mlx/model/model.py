@@ -120,6 +120,7 @@ class Model:
         self.output_hc = tuple(weights[f"output_hc_{k}.weight"] for k in ("fn", "scale", "base"))
         self.output_norm = weights["output_norm.weight"]  # [E]
         self.output = weights["output.weight"]  # [V, E] Q8_0 (not tied to the embedding)
+        self.expert_cache = None  # where the routed experts stream from (stream_experts), if they do
         # Evaluate the state after every layer when a call has at least this many tokens: bounds the
         # memory of long prefill chunks; single-token decode stays one lazy graph.
         self.eval_layers_from = 64
@@ -133,6 +134,15 @@ class Model:
         CPU, where the pure-MLX products would decode the blocks again at every call."""
         for w in _quant_weights(self):
             w.keep_dequantized()
+
+    def stream_experts(self, cache: Any) -> None:
+        """Run the routed experts from ``cache`` (a :class:`ds4_mlx.streaming.ExpertCache` of this model's file)
+        instead of resident weights. A streamed MoE waits for its router on the host, so decode steps run op by op."""
+        for layer in self.layers:
+            layer.ffn.streamed = cache
+        self.expert_cache = cache
+        self.weights_bytes += cache.nbytes
+        self.set_compile_decode(False)
 
     def set_compile_decode(self, on: bool) -> None:
         """Run one-token steps as compiled functions (the default) or op by op (``DS4_MLX_COMPILE=0``)."""

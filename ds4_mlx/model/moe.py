@@ -51,6 +51,7 @@ class MoE:
         # decode on the GPU: HC pre also writes the normed input quantized, for the gate+up launch's integer dots
         self.quantized_x = bool(getattr(numerics, "quantized_x", False)) and takes_quantized_x(
             self.ffn_gate_exps, self.ffn_up_exps, self.ffn_gate_up_shexp)
+        self.streamed = None  # an ExpertCache where the routed experts stay in the file (Model.stream_experts)
 
     def route(self, n: mx.array, tokens: mx.array, packed: bool = False) -> tuple[mx.array, mx.array | None]:
         """Router: normed input ``n [T, E]``, token ids ``[T]`` -> (expert ids int32 [T,k], weights [T,k]).
@@ -64,45 +65,51 @@ class MoE:
         sel = self.ffn_gate_tid2eid[tok].astype(mx.int32)  # [T, k]
         return sel, route_weights(mx.take_along_axis(sqrt_softplus(logits), sel, axis=-1), scale, norm)
 
-    def routed(self, n: mx.array, sel: mx.array, w: mx.array, add: mx.array | None = None) -> mx.array:
-        """Routed experts: ``sum_i W_down[e_i] (swiglu(W_gate[e_i] n, W_up[e_i] n) * w_i)`` (+ ``add``) -> [T, E]."""
-        if host.wanted(sel.shape[0]) and kernel_backend() == "fallback":
-            y = self._routed_host(n, sel, w)
+    def routed(self, n: mx.array, sel: mx.array, w: mx.array, add: mx.array | None = None, *,
+               experts: tuple | None = None, chunk: int | None = None) -> mx.array:  # fmt: skip
+        """Routed experts: ``sum_i W_down[e_i] (swiglu(W_gate[e_i] n, W_up[e_i] n) * w_i)`` (+ ``add``) -> [T, E].
+        ``experts``: the (gate, up, down) weights ``sel`` indexes (default the layer's own); ``chunk``: the token
+        count that picks the path (default T; a span of a chunk passes the chunk's, to run as the chunk would)."""
+        experts = experts or (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps)
+        chunk = chunk or sel.shape[0]
+        if host.wanted(chunk) and kernel_backend() == "fallback":
+            y = self._routed_host(experts, n, sel, w)
         else:
-            y = self._routed_chunk(n, sel, w)
+            y = self._routed_chunk(experts, n, sel, w, chunk)
         if y is None:
             # route weight before down (ds4); on the GPU each line is one matvec launch for decode
-            mid = expert_swiglu(self.ffn_gate_exps, self.ffn_up_exps, n, self.clamp, sel, w)  # [T, k, F]
-            return expert_down_sum(self.ffn_down_exps, mid, sel, add)  # [T, E]
+            mid = expert_swiglu(experts[0], experts[1], n, self.clamp, sel, w)  # [T, k, F]
+            return expert_down_sum(experts[2], mid, sel, add)  # [T, E]
         return y if add is None else y + add
 
-    def _routed_chunk(self, n: mx.array, sel: mx.array, w: mx.array) -> mx.array | None:
+    def _routed_chunk(self, experts: tuple, n: mx.array, sel: mx.array, w: mx.array, chunk: int) -> mx.array | None:
         """The routed experts of a prefill chunk on the kernel backends, in two launches over the pairs sorted by
         expert once: gate+up with the SwiGLU and the route weight as epilogue (``mid`` in bf16, the down tiles'
         precision), then down; each token's k products summed. None where the kernels do not apply."""
         backend = kernel_backend()
         T, k = sel.shape
-        exps = (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps)
-        if backend == "fallback" or T <= MV_MAX_TOKENS or not all(map(supports, exps)):
+        gate, up, down = experts
+        if backend == "fallback" or chunk <= MV_MAX_TOKENS or not all(map(supports, experts)):
             return None
         flat = sel.reshape(-1)
-        routes = routes_for(flat, self.cfg.n_expert, backend)
-        mid = mm_gather_swiglu(self.ffn_gate_exps, self.ffn_up_exps, n, flat, k, self.clamp, backend,
-                               route_w=w.reshape(-1), routes=routes)  # [T*k, F]  fmt: skip
-        y = mm_gather(self.ffn_down_exps, mid, flat, k, backend, routes=routes)  # [T*k, E]
+        routes = routes_for(flat, gate.shape[0], backend)
+        mid = mm_gather_swiglu(gate, up, n, flat, k, self.clamp, backend, route_w=w.reshape(-1),
+                               routes=routes)  # [T*k, F]  fmt: skip
+        y = mm_gather(down, mid, flat, k, backend, routes=routes)  # [T*k, E]
         return y.reshape(T, k, -1).sum(axis=1)
 
-    def _routed_host(self, n: mx.array, sel: mx.array, w: mx.array) -> mx.array:
+    def _routed_host(self, experts: tuple, n: mx.array, sel: mx.array, w: mx.array) -> mx.array:
         """The routed experts of a chunk on the CPU, in numpy (:mod:`ds4_mlx.host`): the pairs grouped by expert
         once, then each expert's gate, up, SwiGLU, route weight and down over its own rows."""
         T, k = sel.shape
+        gate_w, up_w, down_w = experts
         x, ids, rw = host.to_numpy(n, sel, w)
         ids, rw = ids.reshape(-1), rw.reshape(-1, 1)
-        y = np.empty((T * k, self.ffn_down_exps.out_features), np.float32)
-        for e, pairs in expert_groups(ids, self.cfg.n_expert):
+        y = np.empty((T * k, down_w.out_features), np.float32)
+        for e, pairs in expert_groups(ids, gate_w.shape[0]):
             xe = x[pairs // k]  # the pairs' tokens
-            gate, up = (xe @ m.host_f32(e, e + 1)[0].T for m in (self.ffn_gate_exps, self.ffn_up_exps))
-            y[pairs] = (swiglu_host(gate, up, self.clamp) * rw[pairs]) @ self.ffn_down_exps.host_f32(e, e + 1)[0].T
+            gate, up = (xe @ m.host_f32(e, e + 1)[0].T for m in (gate_w, up_w))
+            y[pairs] = (swiglu_host(gate, up, self.clamp) * rw[pairs]) @ down_w.host_f32(e, e + 1)[0].T
         return mx.array(y.reshape(T, k, -1).sum(axis=1))
 
     def shared(self, n: mx.array) -> mx.array:
@@ -127,12 +134,58 @@ class MoE:
         """The sublayer from its normed input ``n [T, E]`` (:meth:`norm`) -> ``y [T, E]``; ``nq``: ``n``
         quantized by HC pre (:attr:`quantized_x`), or None. In the decode step both may be one token's
         :class:`~ds4_mlx.kernels.Cols` of HC pre's output row."""
+        if self.streamed is not None:
+            return self._forward_streamed(n, tokens, nq)
         sel, w = self.route(n, tokens, packed=True)  # w None: sel is the router's one packed output
-        y = experts_with_shared(self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps, self.ffn_gate_up_shexp,
-                                self.ffn_down_shexp, n, sel, w, self.clamp, xq=nq)  # decode on the GPU: two launches
+        return self.experts(n, sel, w, nq)
+
+    def experts(self, n, sel: mx.array, w: mx.array | None, nq=None, *, weights: tuple | None = None) -> mx.array:
+        """Routed (``weights``, default the layer's own, indexed by ``sel``) and shared experts of ``n``."""
+        gate, up, down = weights or (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps)
+        y = experts_with_shared(gate, up, down, self.ffn_gate_up_shexp, self.ffn_down_shexp, n, sel, w, self.clamp,
+                                xq=nq)  # decode on the GPU: two launches  fmt: skip
         if y is None:
             if w is None:
                 sel, w = unpack_route(sel)
             n = cols(n, self.ffn_gate_inp.in_features)
-            y = self.routed(n, sel, w, add=self.shared(n))
+            y = self.routed(n, sel, w, add=self.shared(n), experts=(gate, up, down))
         return y
+
+    def _forward_streamed(self, n, tokens: mx.array, nq) -> mx.array:
+        """:meth:`forward` with the routed experts read on demand (:mod:`ds4_mlx.streaming`): the host waits for
+        the router and makes the chosen experts resident, then they run where they sit. A chunk that chooses more
+        experts than the cache holds runs in parts that fit, cut so that every product keeps the resident
+        model's shape and path (so its rounding)."""
+        sel, w = self.route(n, tokens)
+        ids = np.array(sel)  # which experts to read: the router's output, on the host
+        if len(np.unique(ids)) <= self.streamed.slots:
+            weights, slots = self.streamed.fetch(self.il, ids)
+            return self.experts(n, slots, w, nq, weights=weights)
+        n = cols(n, self.ffn_gate_inp.in_features)
+        if host.wanted(len(ids)) and kernel_backend() == "fallback":
+            y = self._streamed_by_expert(n, ids, w)
+        else:
+            y = self._streamed_by_token(n, ids, w)
+        return y + self.shared(n)
+
+    def _streamed_by_token(self, n: mx.array, ids: np.ndarray, w: mx.array) -> mx.array:
+        """Routed experts of a chunk in spans of tokens whose experts fit (the kernels and MLX's products: a
+        token's products do not depend on the other tokens of the call), each span on the chunk's path."""
+        parts = []
+        for t0, t1 in self.streamed.spans(ids):
+            weights, slots = self.streamed.fetch(self.il, ids[t0:t1])
+            parts.append(self.routed(n[t0:t1], slots, w[t0:t1], experts=weights, chunk=len(ids)))
+            mx.eval(parts[-1])  # before the next span's experts take the slots
+        return mx.concatenate(parts)
+
+    def _streamed_by_expert(self, n: mx.array, ids: np.ndarray, w: mx.array) -> mx.array:
+        """Routed experts of a chunk on the CPU in groups of experts that fit (numpy's products: each expert with
+        all its pairs at once, as :meth:`_routed_host` runs it), each pair a row."""
+        T, k = ids.shape
+        flat, rw = ids.reshape(-1), w.reshape(-1, 1)
+        y = np.empty((T * k, self.ffn_down_shexp.out_features), np.float32)
+        for group in self.streamed.groups(ids):
+            pairs = np.flatnonzero(np.isin(flat, group))
+            weights, slots = self.streamed.fetch(self.il, flat[pairs])
+            y[pairs] = np.array(self._routed_host(weights, n[mx.array(pairs // k)], slots[:, None], rw[mx.array(pairs)]))
+        return mx.array(y.reshape(T, k, -1).sum(axis=1))

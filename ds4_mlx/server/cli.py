@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from ..chat import ThinkMode
-from ..cli_common import check_sampling
+from ..cli_common import SsdCacheOpt, SsdStreamingOpt, check_sampling, expert_cache_size
 from ..kvstore import CachePolicy
 from ..session import DEFAULT_CHUNK
 from .common import DEFAULT_MAX_BODY_MB
@@ -38,20 +38,21 @@ def _tracer(path: Path | None) -> Callable[[str], None] | None:
     return trace
 
 
-def model_loader(path: Path, ctx: int, chunk: int | None = None,
-                 cache_limit_gb: float | None = None) -> Callable[[], tuple[Any, Any]]:  # fmt: skip
+def model_loader(path: Path, ctx: int, chunk: int | None = None, cache_limit_gb: float | None = None,
+                 expert_cache: str | None = None) -> Callable[[], tuple[Any, Any]]:  # fmt: skip
     """A loader for the worker thread: ``load(path)`` -> a live :class:`Session` and the tokenizer. The session's
     KV buffers are sized for ``ctx`` tokens, as ds4 sizes its KV for ``--ctx``: within the context they never
     grow, so no generation stops for a buffer copy, a retrace and (on GPUs) kernel JITs at the new shapes.
     ``chunk``: the prefill chunk (default the session's); MLX's buffer cache is limited for the model's size
-    (:func:`~ds4_mlx.memory.set_memory_limits`, ``cache_limit_gb`` to choose)."""
+    (:func:`~ds4_mlx.memory.set_memory_limits`, ``cache_limit_gb`` to choose); ``expert_cache``: stream the
+    routed experts through a cache of that size (:func:`~ds4_mlx.loader.load`)."""
 
     def load():
         from ..loader import load as load_gguf
         from ..memory import set_memory_limits
         from ..session import DEFAULT_CHUNK, Session
 
-        model, tokenizer = load_gguf(path)
+        model, tokenizer = load_gguf(path, expert_cache=expert_cache)
         if tokenizer is None:
             raise RuntimeError(f"{path}: no usable tokenizer in the GGUF")
         set_memory_limits(model.weights_bytes, cache_gb=cache_limit_gb)
@@ -150,6 +151,8 @@ def serve(
     prefill_chunk: int = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", help="Prompt tokens per model call (ds4's default too)."),
     cache_limit_gb: Optional[float] = typer.Option(
         None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."),
+    ssd_streaming: bool = SsdStreamingOpt,
+    ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
 ) -> None:
     """Serve the model over HTTP: OpenAI (chat, completions, responses) and Anthropic (messages) APIs."""
     if think not in ("none", "high", "max"):
@@ -187,11 +190,16 @@ def serve(
         from ..mlx_dir import check_model
 
         check_model(model)  # a GGUF file or a directory written by `ds4-mlx convert`
-    except DS4FormatError as e:
+        expert_cache = expert_cache_size(ssd_streaming, ssd_streaming_cache_experts)
+        if expert_cache is not None:
+            from ..loader import check_expert_cache
+
+            check_expert_cache(model, expert_cache)
+    except (DS4FormatError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     try:
-        run_server(model_loader(model, ctx, prefill_chunk, cache_limit_gb), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
+        run_server(model_loader(model, ctx, prefill_chunk, cache_limit_gb, expert_cache), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
                    default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
                    cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,
                    tool_memory_max_ids=0 if disable_exact_dsml_tool_replay else tool_memory_max_ids,

@@ -298,7 +298,8 @@ class Worker:
             self._save_at("continued")
 
     def stats(self) -> dict:
-        """Counters for ``GET /v1/stats``: cache decisions, tokens reused and computed, the disk cache."""
+        """Counters for ``GET /v1/stats``: cache decisions, tokens reused and computed, the disk cache, the streamed
+        experts' cache."""
         return {"requests": self.counters["requests"],
                 "hits": {k[4:]: v for k, v in self.counters.items() if k.startswith("hit:")},
                 "misses": {k[5:]: v for k, v in self.counters.items() if k.startswith("miss:")},
@@ -307,7 +308,13 @@ class Worker:
                 "prefill_tokens_computed": self.counters["prefill_tokens"],
                 "live_tokens": self.session.pos if self.session is not None else 0,
                 "last_decisions": list(self.decisions),
-                "disk": self.kv.summary() if self.kv is not None else None}
+                "disk": self.kv.summary() if self.kv is not None else None,
+                "experts": self.expert_stats()}
+
+    def expert_stats(self) -> dict | None:
+        """The streamed experts' cache counters (``--ssd-streaming``), or None when the experts are resident."""
+        cache = getattr(self.session.model, "expert_cache", None) if self.session is not None else None
+        return cache.stats() if cache is not None else None
 
     # -- live protocol bindings (§5.3) ----------------------------------------------------------------------
     def live_call_ids(self, kind: str) -> frozenset[str]:

@@ -1,0 +1,271 @@
+"""Expert streaming: the routed experts stay in the GGUF file and are read on demand into a device-resident cache
+whose size in bytes is fixed at start and never exceeded.
+
+A routed expert of one layer (its gate, up and down matrices, ~7 MB at V4 Flash's width in q2) is the cache's
+unit. The cache holds three pools, ``[slots, out, row_bytes]`` each (every MoE layer has the same expert shapes
+and types), allocated once: their size is the cap. A MoE call asks for the experts its tokens chose
+(:meth:`ExpertCache.fetch`); the ones not resident are read from the file by a pool of reader threads
+(``os.pread``: a file cut short is an error, not a crash) into the least recently used slots, and the call runs
+the same kernels as the resident model on the pools, with its expert ids mapped to slots. Each pair's product
+reads the same bytes in the same order, so the results equal the resident model's.
+
+The host has to know the chosen experts before it reads them, so a streamed MoE waits for its router: decode
+steps run op by op (not compiled), and reads do not overlap the device's work. A chunk whose tokens choose more
+experts than the cache holds runs in parts that fit (:meth:`ExpertCache.spans`, :meth:`ExpertCache.groups`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from .weights import QuantWeight
+
+#: The three matrices of a routed expert, in the order the pools and :meth:`ExpertCache.fetch` use.
+EXPERT_KINDS = ("gate", "up", "down")
+_ROUTED = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether GGUF tensor ``name`` holds a layer's routed experts."""
+    return _ROUTED.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class StreamedTensor:
+    """A routed-expert tensor ``[n_expert, out, in]`` left in the file: its type, shape and where its bytes are.
+    Holds no memory (``nbytes`` 0); :class:`ExpertCache` reads one expert's matrix at a time."""
+
+    name: str
+    qtype: QT
+    shape: tuple[int, int, int]
+    path: Path
+    offset: int  # of expert 0's first byte in the file
+
+    nbytes = 0
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """One expert's bytes as :class:`QuantWeight` stores them."""
+        return QuantWeight.storage_shape(self.qtype, self.shape[1:])
+
+    @property
+    def expert_bytes(self) -> int:
+        """One expert's matrix in the file."""
+        return math.prod(self.storage_shape) * np.dtype(storage_dtypes(self.qtype)[0]).itemsize
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+
+def storage_dtypes(qtype: QT) -> tuple[type, mx.Dtype]:
+    """How a matrix of ``qtype`` is stored: (numpy dtype of the file's bytes, MLX dtype); block types as uint8."""
+    plain = {QT.F32: (np.float32, mx.float32), QT.F16: (np.float16, mx.float16), QT.BF16: (np.uint16, mx.bfloat16)}
+    return plain.get(qtype, (np.uint8, mx.uint8))
+
+
+def expert_unit_bytes(tensors: dict) -> int:
+    """Bytes of one expert (gate, up and down of one layer) from a GGUF's bound tensors (``TensorInfo``)."""
+    return sum(tensors[f"blk.0.ffn_{k}_exps.weight"].nbytes // tensors[f"blk.0.ffn_{k}_exps.weight"].shape[0]
+               for k in EXPERT_KINDS)  # fmt: skip
+
+
+def check_cache_size(slots: int, need: int, unit_bytes: int) -> None:
+    """ValueError when a cache of ``slots`` experts cannot hold the ``need`` experts of one token."""
+    if slots < need:
+        least = need * unit_bytes
+        size = f"{least / 2**30:.2f} GB" if least >= 2**30 else f"{least / 2**20:.1f} MB"
+        raise ValueError(f"the expert cache holds {slots} experts of {unit_bytes / 2**20:.1f} MiB; one token needs "
+                         f"{need} at once: give at least {need} (or {size})")
+
+
+def parse_cache_size(text: str, unit_bytes: int, n_units: int) -> int:
+    """The cache's size in bytes from ``N`` (experts, an expert being one layer's gate, up and down), ``N%`` (of
+    all routed experts) or ``NGB``; ValueError with the accepted forms otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%|GB|G|GIB)?\s*", text.upper())
+    if not m:
+        raise ValueError(f"expert cache size {text!r}: expected a number of experts (e.g. 2048), a share (e.g. 50%) "
+                         f"or a size (e.g. 40GB)")  # fmt: skip
+    value, unit = float(m.group(1)), m.group(2)
+    if unit == "%":
+        if not 0 < value <= 100:
+            raise ValueError(f"expert cache size {text!r}: a share must be in (0, 100]%")
+        return int(n_units * value / 100) * unit_bytes
+    if unit:
+        return int(value * (1 << 30))
+    if value != int(value):
+        raise ValueError(f"expert cache size {text!r}: a number of experts must be whole")
+    return int(value) * unit_bytes
+
+
+class ExpertCache:
+    """The routed experts of every layer, streamed from the file into ``cap_bytes`` of device memory.
+
+    Args:
+        experts: ``{layer: (gate, up, down)}`` :class:`StreamedTensor` triples (same types and shapes in every layer).
+        cap_bytes: the pools' size; it holds ``cap_bytes // unit_bytes`` experts and must hold ``min_slots``.
+        min_slots: experts one call must be able to hold at once (a token's ``k``).
+        readers: threads that read experts from the file.
+    """
+
+    @classmethod
+    def from_weights(cls, weights: dict, size: str, *, min_slots: int = 1) -> ExpertCache:
+        """The cache of the :class:`StreamedTensor` values in ``weights``, sized by ``size`` (:func:`parse_cache_size`)."""
+        layers: dict[int, dict[str, StreamedTensor]] = {}
+        for name, w in weights.items():
+            m = _ROUTED.fullmatch(name)
+            if m and isinstance(w, StreamedTensor):
+                layers.setdefault(int(m.group(1)), {})[m.group(2)] = w
+        experts = {il: tuple(d[k] for k in EXPERT_KINDS) for il, d in sorted(layers.items())}
+        if not experts:
+            raise ValueError("expert streaming: the model has no routed experts to stream")
+        first = next(iter(experts.values()))
+        unit = sum(t.expert_bytes for t in first)
+        return cls(experts, parse_cache_size(size, unit, len(experts) * first[0].shape[0]), min_slots=min_slots)
+
+    def __init__(self, experts: dict[int, tuple[StreamedTensor, ...]], cap_bytes: int, *, min_slots: int = 1,
+                 readers: int = 8):  # fmt: skip
+        if not experts:
+            raise ValueError("expert streaming: the model has no routed experts to stream")
+        self.experts = experts
+        first = next(iter(experts.values()))
+        for il, trio in experts.items():
+            if [(t.qtype, t.shape) for t in trio] != [(t.qtype, t.shape) for t in first]:
+                raise ValueError(f"expert streaming: layer {il}'s experts differ in type or shape from the first layer's")
+        self.n_expert = first[0].shape[0]
+        self.unit_bytes = sum(t.expert_bytes for t in first)
+        self.n_units = len(experts) * self.n_expert
+        self.slots = min(int(cap_bytes) // self.unit_bytes, self.n_units)
+        check_cache_size(self.slots, max(min_slots, 1), self.unit_bytes)
+        self.templates = first
+        self.pools = [mx.zeros((self.slots, *t.storage_shape), dtype=storage_dtypes(t.qtype)[1])
+                      for t in first]  # fmt: skip
+        mx.eval(self.pools)
+        self._slot_of: dict[tuple[int, int], int] = {}
+        self._owner: list[tuple[int, int] | None] = [None] * self.slots
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(self.slots))  # least recent first
+        self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ds4-expert-read")
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.bytes_read = self.calls = 0
+        self.read_seconds = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """The pools' bytes: all the device memory the cache takes."""
+        return self.slots * self.unit_bytes
+
+    def stats(self) -> dict:
+        """Counters since start: hits and misses count experts asked for by MoE calls."""
+        asked = self.hits + self.misses
+        return {"slots": self.slots, "cap_bytes": self.nbytes, "expert_bytes": self.unit_bytes,
+                "resident": sum(o is not None for o in self._owner), "experts_total": self.n_units,
+                "calls": self.calls, "hits": self.hits, "misses": self.misses,
+                "hit_rate": round(self.hits / asked, 4) if asked else None, "bytes_read": self.bytes_read,
+                "read_s": round(self.read_seconds, 3)}  # fmt: skip
+
+    def spans(self, ids: np.ndarray) -> list[tuple[int, int]]:
+        """Token ranges ``[t0, t1)`` of ``ids [T, k]`` whose distinct experts each fit in the cache."""
+        out, t0, seen = [], 0, set()
+        for t in range(ids.shape[0]):
+            row = set(ids[t].tolist())
+            if len(seen | row) > self.slots:
+                out.append((t0, t))
+                t0, seen = t, set()
+            seen |= row
+        out.append((t0, ids.shape[0]))
+        return out
+
+    def groups(self, ids: np.ndarray) -> list[np.ndarray]:
+        """The distinct experts of ``ids`` in groups that each fit in the cache (one group when all do)."""
+        wanted = np.unique(ids)
+        return [wanted[i : i + self.slots] for i in range(0, max(len(wanted), 1), self.slots)]
+
+    def fetch(self, il: int, ids: np.ndarray) -> tuple[tuple[QuantWeight, ...], mx.array]:
+        """Make the experts of ``ids`` (layer ``il``, any shape) resident -> ``((gate, up, down), slots)``: the
+        three pools as ``[slots, out, in]`` weights and ``ids`` mapped to their slots (int32, same shape)."""
+        wanted = np.unique(ids)
+        if len(wanted) > self.slots:
+            raise ValueError(f"expert streaming: a call needs {len(wanted)} experts at once, the cache holds {self.slots}")
+        if wanted.size and (wanted[0] < 0 or wanted[-1] >= self.n_expert):
+            raise IndexError(f"expert streaming: expert id out of range [0, {self.n_expert}) in layer {il}")
+        with self._lock:
+            self.calls += 1
+            slot_of = {}
+            missing = []
+            for e in wanted.tolist():
+                s = self._slot_of.get((il, e))
+                if s is None:
+                    missing.append(e)
+                else:
+                    self._lru.move_to_end(s)
+                    slot_of[e] = s
+            self.hits += len(slot_of)
+            self.misses += len(missing)
+            if missing:
+                victims = [s for s in self._lru if s not in slot_of.values()][: len(missing)]
+                for e, s in zip(missing, victims):
+                    old = self._owner[s]
+                    if old is not None:
+                        del self._slot_of[old]
+                    self._owner[s], self._slot_of[(il, e)], slot_of[e] = (il, e), s, s
+                    self._lru.move_to_end(s)
+                self._load(il, missing, [slot_of[e] for e in missing])
+        table = np.zeros(self.n_expert, np.int32)
+        table[wanted] = [slot_of[e] for e in wanted.tolist()]
+        weights = tuple(QuantWeight(pool, t.qtype, (self.slots, *t.shape[1:])) for pool, t in zip(self.pools, self.templates))
+        return weights, mx.array(table[ids])
+
+    def _load(self, il: int, experts: list[int], slots: list[int]) -> None:
+        """Read ``experts`` of layer ``il`` from the file into ``slots`` of the pools."""
+        t0 = time.perf_counter()
+        trio = self.experts[il]
+        jobs = [(t, e) for t in trio for e in experts]
+        blobs = list(self._readers.map(lambda job: self._read(*job), jobs))
+        idx = mx.array(np.array(slots, np.int32))
+        for i, (pool, t) in enumerate(zip(self.pools, trio)):
+            np_dtype, mx_dtype = storage_dtypes(t.qtype)
+            part = blobs[i * len(experts) : (i + 1) * len(experts)]
+            rows = np.stack([np.frombuffer(b, np_dtype).reshape(t.storage_shape) for b in part])
+            pool[idx] = mx.array(rows).view(mx_dtype)  # in place: the pools' buffers are their only references
+        mx.eval(self.pools)
+        self.bytes_read += len(experts) * self.unit_bytes
+        self.read_seconds += time.perf_counter() - t0
+
+    def _read(self, t: StreamedTensor, e: int) -> bytes:
+        size = t.expert_bytes
+        fd = self._fd(t.path)
+        off = t.offset + e * size
+        data = os.pread(fd, size, off)
+        if len(data) != size:
+            raise OSError(f"{t.path}: expert {e} of {t.name} needs bytes {off}..{off + size}, the file ends at "
+                          f"{os.fstat(fd).st_size} (truncated or changed since it was loaded)")  # fmt: skip
+        return data
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        self._readers.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
