@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
+from ..backend import kernel_backend
 from ..config import ModelConfig
 from ..kernels import MV_MAX_TOKENS
 from ..kernels.fused import fault_in
@@ -110,8 +111,11 @@ class Block:
 
     def _batch_fn(self, keys: tuple[DecodeKey, ...]) -> Callable:
         """The batched step for ``keys`` (one per session), compiled once every raw window is full (as
-        :meth:`_step_fn`) for decode-sized batches (larger ones take the chunk paths, which may read the host)."""
-        if not (all(k.static for k in keys) and self.compile_decode and len(keys) <= MV_MAX_TOKENS):
+        :meth:`_step_fn`) for decode-sized batches on the kernel backends. Elsewhere it runs op by op: the pure-MLX
+        products of several tokens (larger batches, the CPU's expert gather) read ids on the host, which a
+        compiled function cannot."""
+        if not (all(k.static for k in keys) and self.compile_decode and len(keys) <= MV_MAX_TOKENS
+                and kernel_backend() != "fallback"):
             return partial(self._step_batch, keys)
         fn = self._batch_steps.get(keys)
         if fn is None:
