@@ -28,15 +28,11 @@ import numpy as np
 
 from .config import ModelConfig
 from .generate import decode_tokens
+from .memory import available_memory, kv_bytes_estimate, scratch_bytes_estimate  # noqa: F401 (public here too)
 from .sampling import GREEDY_PARAMS, Sampler
 from .session import DEFAULT_CHUNK, Session
 
 CSV_COLUMNS = ("ctx_tokens", "prefill_tokens", "prefill_tps", "gen_tokens", "gen_tps", "kvcache_bytes")
-# Prefill scratch beyond the KV state and the weights, per token of a chunk: the HC streams and their
-# mixes, the routed experts' activations and one row of logits, all f32 with a few live copies each.
-_SCRATCH_COPIES = 16
-# Attention score blocks (attention.ATTN_BLOCK_BYTES) with their softmax copies, plus allocator slack.
-_SCRATCH_FIXED = 3 << 28
 
 
 class BenchError(ValueError):
@@ -84,41 +80,6 @@ def special_ids(tokenizer) -> list[int]:
 
 
 # ---- memory --------------------------------------------------------------------------------------------------
-
-
-def kv_bytes_estimate(cfg: ModelConfig, ctx: int) -> int:
-    """Upper bound of the KV state after ``ctx`` tokens (f32 rows, capacity buffers grown by doubling)."""
-    total = 0
-    for il in range(cfg.n_layer):
-        total += min(ctx, cfg.n_swa) * cfg.head_dim * 4
-        r = cfg.compress_ratio(il)
-        if r:
-            total += max(2 * math.ceil(ctx / r), 16) * cfg.head_dim * 4 + 2 * r * 2 * cfg.head_dim * 4
-        if cfg.has_indexer(il):
-            total += max(2 * math.ceil(ctx / 4), 16) * cfg.indexer_head_dim * 4 + 2 * 4 * 2 * cfg.indexer_head_dim * 4
-    return total
-
-
-def scratch_bytes_estimate(cfg: ModelConfig, chunk: int) -> int:
-    """Transient prefill memory for one chunk of ``chunk`` tokens (see ``_SCRATCH_COPIES``)."""
-    per_token = (cfg.n_hc * cfg.n_embd + cfg.n_expert_used * cfg.n_ff_exp * 2 + cfg.n_vocab) * 4
-    return chunk * per_token * _SCRATCH_COPIES // 4 + _SCRATCH_FIXED
-
-
-def available_memory() -> tuple[int, str]:
-    """Bytes the default device can use, and where the number came from."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
-        if isinstance(info.get(key), int) and info[key] > 0:
-            return int(info[key]), f"device {key}"
-    if mx.default_device().type == mx.DeviceType.gpu:
-        try:  # MLX-CUDA: ask the driver through nvidia-smi (no extra Python dependency)
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10, check=True).stdout.split()
-            return int(out[0]) * 2**20, "nvidia-smi memory.total"
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host physical memory"
 
 
 @dataclass

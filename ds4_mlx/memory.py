@@ -4,13 +4,20 @@ MLX keeps freed buffers for reuse. Unbounded, that cache grows with every chunk'
 prefill of the full model left the process holding 138.7 of 140 GiB, of which ~87 GB were weights. On a
 128 GB Mac the same would swap. :func:`set_memory_limits` bounds the cache (by default a share of the
 weights' size, at most 4 GiB) and, on Metal, wires the weights and the KV state so macOS does not page them out.
+:func:`plan_sessions` sizes the server's live sessions (``serve --batched-session``) from the same estimates
+ds4-bench checks its context against (:func:`kv_bytes_estimate`, :func:`available_memory`).
 """
 
 from __future__ import annotations
 
+import math
+import os
+import subprocess
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from .config import ModelConfig
 
 GiB = 1 << 30
 #: Default cache limit: this share of the weights' bytes, between CACHE_MIN and CACHE_MAX.
@@ -18,6 +25,13 @@ CACHE_SHARE = 0.05
 CACHE_MIN, CACHE_MAX = GiB // 4, 4 * GiB
 #: Wired on top of the weights and the KV state (Metal): room for a chunk's transients.
 WIRED_MARGIN = 2 * GiB
+# Prefill scratch beyond the KV state and the weights, per token of a chunk: the HC streams and their
+# mixes, the routed experts' activations and one row of logits, all f32 with a few live copies each.
+_SCRATCH_COPIES = 16
+# Attention score blocks (attention.ATTN_BLOCK_BYTES) with their softmax copies, plus allocator slack.
+_SCRATCH_FIXED = 3 << 28
+#: Most live sessions ``serve --batched-session 0`` picks (the decode kernels take up to 8 tokens a launch).
+AUTO_SESSIONS_MAX = 8
 
 
 @dataclass(frozen=True)
@@ -66,3 +80,64 @@ def set_memory_limits(weights_bytes: int, kv_bytes: int = 0, *, cache_gb: float 
     else:
         wired = None
     return MemoryLimits(cache, wired)
+
+
+# ---- sizing: weights, KV state, prefill scratch, and what the device has -----------------------------------
+
+
+def kv_bytes_estimate(cfg: ModelConfig, ctx: int) -> int:
+    """Upper bound of the KV state after ``ctx`` tokens (f32 rows, capacity buffers grown by doubling)."""
+    total = 0
+    for il in range(cfg.n_layer):
+        total += min(ctx, cfg.n_swa) * cfg.head_dim * 4
+        r = cfg.compress_ratio(il)
+        if r:
+            total += max(2 * math.ceil(ctx / r), 16) * cfg.head_dim * 4 + 2 * r * 2 * cfg.head_dim * 4
+        if cfg.has_indexer(il):
+            total += max(2 * math.ceil(ctx / 4), 16) * cfg.indexer_head_dim * 4 + 2 * 4 * 2 * cfg.indexer_head_dim * 4
+    return total
+
+
+def scratch_bytes_estimate(cfg: ModelConfig, chunk: int) -> int:
+    """Transient prefill memory for one chunk of ``chunk`` tokens (see ``_SCRATCH_COPIES``)."""
+    per_token = (cfg.n_hc * cfg.n_embd + cfg.n_expert_used * cfg.n_ff_exp * 2 + cfg.n_vocab) * 4
+    return chunk * per_token * _SCRATCH_COPIES // 4 + _SCRATCH_FIXED
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes the default device can use, and where the number came from."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return int(info[key]), f"device {key}"
+    if mx.default_device().type == mx.DeviceType.gpu:
+        try:  # MLX-CUDA: ask the driver through nvidia-smi (no extra Python dependency)
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.split()
+            return int(out[0]) * 2**20, "nvidia-smi memory.total"
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host physical memory"
+
+
+def plan_sessions(requested: int, cfg: ModelConfig, ctx: int, weights_bytes: int, chunk: int,
+                  available: tuple[int, str] | None = None) -> int:
+    """How many live sessions of ``ctx`` tokens the server holds: ``requested``, checked to fit beside the weights
+    and one prefill chunk's scratch, or with ``requested == 0`` as many as fit (at most :data:`AUTO_SESSIONS_MAX`).
+    ``available``: (bytes, where the number came from), default :func:`available_memory`. Raises ``ValueError``
+    with the figures when not even that many (or one) fit."""
+    if requested < 0:
+        raise ValueError(f"--batched-session must be >= 0 (0 = as many as fit), got {requested}")
+    avail, source = available if available is not None else available_memory()
+    kv, scratch = kv_bytes_estimate(cfg, ctx), scratch_bytes_estimate(cfg, chunk)
+    room = avail - weights_bytes - scratch
+    fit = max(0, room // kv) if kv else AUTO_SESSIONS_MAX
+    n = requested or min(fit, AUTO_SESSIONS_MAX)
+    if n < 1 or n > fit:
+        want = max(n, 1)
+        raise ValueError(
+            f"{want} session(s) of --ctx {ctx} do not fit: weights {weights_bytes / GiB:.2f} GiB + "
+            f"{want} x KV {kv / GiB:.3f} GiB + prefill scratch {scratch / GiB:.2f} GiB = "
+            f"{(weights_bytes + want * kv + scratch) / GiB:.2f} GiB > {avail / GiB:.2f} GiB available ({source}); "
+            f"at most {fit} fit at this context")
+    return n

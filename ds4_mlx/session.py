@@ -138,6 +138,10 @@ class Session:
             return self._run(token.reshape(1).astype(mx.int32), wait=False)
         return self._run([int(token)])
 
+    def sibling(self) -> Session:
+        """A new empty session over the same model, with this one's chunk size and reserved context."""
+        return Session(self.model, chunk_size=self.chunk_size, reserve=self.reserve)
+
     def snapshot(self) -> SessionSnapshot:
         """An in-memory copy of the state; later calls do not change it."""
         return SessionSnapshot(tuple(self.tokens), self.logits, tuple(c.snapshot() for c in self.caches))
@@ -176,6 +180,33 @@ class Session:
         """Bytes of every layer's KV state (raw windows, valid compressed rows, frontiers), as ds4-bench's
         ``kvcache_bytes`` counts it: what the state holds, not the spare capacity of its buffers."""
         return sum(c.nbytes for c in self.caches)
+
+
+def step_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array]:
+    """Decode ``tokens[b]`` in ``sessions[b]`` for every b in one model call -> each session's next-token logits.
+
+    The sessions must share one model. The layers take the B tokens as B rows, so every weight is read once for
+    all of them (:meth:`~ds4_mlx.model.model.Model.decode_batch`); each session ends as if it had run
+    :meth:`Session.step` itself (up to the products' summation order). One session is a plain :meth:`Session.step`.
+    Sessions without a model of their own (test stand-ins) step one by one.
+    """
+    if len(sessions) != len(tokens):
+        raise ValueError(f"{len(sessions)} sessions, {len(tokens)} tokens")
+    if len(sessions) == 1 or not all(isinstance(s, Session) for s in sessions):
+        return [s.step(int(t)) for s, t in zip(sessions, tokens)]
+    model = sessions[0].model
+    if any(s.model is not model for s in sessions):
+        raise ValueError("a batched step needs sessions of one model")
+    if len({id(s) for s in sessions}) != len(sessions):
+        raise ValueError("a session appears twice in one batched step")
+    tokens = [int(t) for t in tokens]
+    logits = model.decode_batch(tokens, [s.pos for s in sessions], [s.caches for s in sessions])
+    rows = [logits[b] for b in range(len(sessions))]
+    mx.eval(rows, [a for s in sessions for c in s.caches for a in c.decode_state().values()])
+    for s, t, row in zip(sessions, tokens, rows):
+        s._tokens.append(t)
+        s.logits = row
+    return rows
 
 
 @functools.cache

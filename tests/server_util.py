@@ -93,6 +93,9 @@ class FakeSession:
         self.vocab = vocab
         self.reset()
 
+    def sibling(self) -> FakeSession:
+        return FakeSession(self.vocab)
+
     def reset(self) -> None:
         self.tokens: list[int] = []
         self.logits = None

@@ -4,6 +4,7 @@ of the GPU profilers' logs (Nsight Compute CSV, an Nsight Systems export) on mad
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 import sqlite3
@@ -204,3 +205,18 @@ def test_first_use_benchmark_times_every_stage(tmp_path):
 def test_scripts_parse_their_arguments(script):
     """The other scripts RESULTS.md runs at least import and parse ``--help`` (their runs need a GPU or minutes)."""
     assert "usage" in run_script(script, "--help").stdout.lower()
+
+
+def test_batched_benchmark_reports_every_batch_and_the_ttft(tmp_path):
+    """benchmarks/batched.py at the tiny shape: a row per B with its speed against B = 1, then the TTFT run."""
+    out = tmp_path / "batched.csv"
+    text = run_script("batched", "--ctx", 40, "--batches", "1,2", "--steps", 2, "--ttft-prompt", 24,
+                      "--ttft-decoders", 2, "--quantum", 8, "--csv", out).stdout
+    decode, ttft = out.read_text().strip().split("\n\n")
+    rows = list(csv.DictReader(decode.splitlines()))
+    assert [r["batch"] for r in rows] == ["1", "2"] and rows[0]["aggregate_x"] == "1.0"
+    assert all(float(r["aggregate_tps"]) > 0 and float(r["session_tps"]) > 0 for r in rows)
+    (t,) = csv.DictReader(ttft.splitlines())
+    assert float(t["ttft_s"]) > 0 and float(t["prefill_alone_s"]) > 0 and float(t["itl_mean_s"]) > 0
+    assert "TTFT of a 24-token prompt beside 2 decoding sessions" in text
+    run_script("batched", "--batches", "0", ok=False)

@@ -95,6 +95,9 @@ def _argument_cases(f: dict) -> list[tuple[list[str], str]]:
         (["serve", "--ctx", "8"], "'--ctx': 8 is below 16"),
         (["serve", "-n", "0"], "'--tokens'"),
         (["serve", "--temp", "nan"], "--temp must be a finite number"),
+        (["serve", "--batched-session", "-1"], "'--batched-session': -1 is not a session count"),
+        (["serve", "--mixed-prefill-quantum", "0"], "'--mixed-prefill-quantum': 0 is not a positive token count"),
+        (["serve", "-m", gguf, "--batched-session", "4", "--ctx", "4000000000"], "4 session(s) of --ctx 4000000000 do not fit"),
         (["generate", "-m", gguf, "-p", "x", "--temp", "nan"], "--temp must be a finite number"),
         (["generate", "-m", gguf, "-p", "x", "--top-p", "inf"], "--top-p must be a finite number"),
         (["chat", "-m", gguf, "--min-p", "nan"], "--min-p must be a finite number"),
@@ -115,7 +118,7 @@ def _argument_cases(f: dict) -> list[tuple[list[str], str]]:
 def test_bad_flags_and_paths(files):
     """One ``error:`` line naming the flag or path, exit 2, for every subcommand; nothing written."""
     cases = _argument_cases(files)
-    assert len(cases) == 42
+    assert len(cases) == 45
     before = sorted(p.name for p in files["root"].iterdir())
     for args, needle in cases:
         r = runner.invoke(app, args)

@@ -330,15 +330,59 @@ class Attention:
         """One token's normed input ``n [1, E]`` over the cache arrays ``st`` (:meth:`LayerCache.decode_state`) ->
         ``(y [1, E], new arrays)``. Same math as a chunk of one; compressed rows live in fixed-capacity buffers
         whose first ``n_vis`` rows are visible, so shapes repeat from token to token."""
-        W, r = self.n_swa, self.ratio
         raw = st["raw"]  # the new raw window [keep+1 <= W, D] comes out of the Q/KV launch
-        qa, q, window = self._project(n, io["C"], io["S"], (raw, min(raw.shape[0], W - 1), self.kv_dtype))
+        qa, q, window = self._project(n, io["C"], io["S"], (raw, min(raw.shape[0], self.n_swa - 1), self.kv_dtype))
         st = dict(st, raw=window)
+        comp_proj = index_proj = hw = None
         if self.n_f16 is not None:  # one matvec for the compressors' and the indexer's projections of n
             ckv, cg, hw, ikv, ig = _split_cols(self.n_f16.matmul(n), self.n_f16_cols)
             comp_proj, index_proj = (ckv, cg), (ikv, ig)
-        elif r:
+        elif self.ratio:
             comp_proj = self.compressor.project_one(n)
+        o, st = self._attend_state(q, qa, comp_proj, index_proj, hw, st, io, key)
+        return self.attn_output_b.matmul(self._grouped_output_a(o)), st
+
+    def decode_batch(
+        self, n: mx.array, sts: list[dict], ios: list[dict], keys: tuple[DecodeKey, ...]
+    ) -> tuple[mx.array, list[dict]]:
+        """One token of each of B sessions: normed inputs ``n [B, E]`` (row b at its own session's position),
+        each session's cache arrays ``sts[b]``, step inputs ``ios[b]`` and key ``keys[b]`` (see :meth:`decode`)
+        -> ``(y [B, E], new arrays per session)``. The projections and the output products take the B rows at
+        once (each weight read once for all of them); the KV row, compressors, indexer and attention run per
+        session over its own state, as :meth:`decode` does."""
+        B, Lq = n.shape[0], self.q_lora
+        q_a_kv = self.attn_q_a_kv.matmul(n)  # [B, q_lora + D]
+        qa, kvb = q_a_kv[:, :Lq], q_a_kv[:, Lq:]
+        qb = self.attn_q_b.matmul_rms(qa, self.attn_q_a_norm, self.eps)  # [B, H*D]
+        f16 = self.n_f16.matmul(n) if self.n_f16 is not None else None  # [B, sum(n_f16_cols)]
+        comp_all = self.compressor.project(n) if self.ratio and f16 is None else None
+        edges = np.cumsum([0, *self.n_f16_cols]) if f16 is not None else None
+        outs, new = [], []
+        for b in range(B):
+            st, io, key, row = sts[b], ios[b], keys[b], slice(b, b + 1)
+            raw = st["raw"]
+            q, window = qkv_rows(
+                qb[row], kvb[row], self.attn_kv_a_norm, io["C"], io["S"], self.eps, self.n_head,
+                nope_fp8=self.nope if self.numerics.fp8_kv else 0, f16r=self.numerics.f16_cache,
+                window=(raw, min(raw.shape[0], self.n_swa - 1), self.kv_dtype),
+            )  # fmt: skip
+            comp_proj = index_proj = hw = None
+            if f16 is not None:
+                ckv, cg, hw, ikv, ig = (f16[row, int(a) : int(z)] for a, z in zip(edges[:-1], edges[1:]))
+                comp_proj, index_proj = (ckv, cg), (ikv, ig)
+            elif comp_all is not None:
+                comp_proj = (comp_all[0][row], comp_all[1][row])
+            o, st = self._attend_state(q, qa[row], comp_proj, index_proj, hw, dict(st, raw=window), io, key)
+            outs.append(o)
+            new.append(st)
+        o = mx.concatenate(outs) if B > 1 else outs[0]  # [B, H, D]
+        return self.attn_output_b.matmul(self._grouped_output_a(o)), new
+
+    def _attend_state(self, q, qa, comp_proj, index_proj, hw, st: dict, io: dict, key: DecodeKey
+                      ) -> tuple[mx.array, dict]:  # fmt: skip
+        """The per-session part of a decode step after the projections: compressor and indexer rows, the
+        indexer's selection and the attention of ``q [1, H, D]`` -> ``(o [1, H, D], new cache arrays)``."""
+        r = self.ratio
         if r:
             row, st["cfr"] = self.compressor.decode(comp_proj, st["cfr"], io["comp"], key.complete)
             if row is not None:
@@ -354,8 +398,7 @@ class Attention:
         if key.select:  # attend to the indexer's top-k rows only
             scores = self.indexer.scores(qa, hw, io["Ci"], io["Si"], st["index"], io["index_counts"])  # [1, capacity]
             idx = top_k_rows(scores, io["index_counts"], self.indexer.top_k)  # [1, k] of the first n_vis rows
-        o = attend_one(q, st["raw"], comp, idx, io["counts"], self.attn_sinks, io["C"], io["S"], self.scale)
-        return self.attn_output_b.matmul(self._grouped_output_a(o)), st
+        return attend_one(q, st["raw"], comp, idx, io["counts"], self.attn_sinks, io["C"], io["S"], self.scale), st
 
     # --- chunks -------------------------------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
+from ..backend import kernel_backend
 from ..config import ModelConfig
+from ..kernels import MV_MAX_TOKENS
 from ..kernels.fused import fault_in
 from ..numerics import Numerics, get_numerics
 from ..weights import QuantWeight
@@ -29,6 +31,9 @@ COMPILE_DECODE = os.environ.get("DS4_MLX_COMPILE", "1").strip() != "0"
 # On the CPU the pure-MLX products decode a weight's blocks at every call, and MLX's CPU elementwise ops are slow:
 # that was ~2/3 of a demo-model decode step. A model whose float32 values fit in this keeps them instead.
 KEEP_DEQUANTIZED_MAX_BYTES = 512 << 20
+# Compiled batched steps a layer keeps: one per mix of the B sessions' step keys (which of them complete a
+# compressor window, select with the indexer); the mixes change as sessions join and leave.
+BATCH_STEPS_KEPT = 256
 
 
 class PrefillCancelled(Exception):
@@ -48,6 +53,7 @@ class Block:
 
         self.compile_decode = True  # Model.set_compile_decode
         self._steps: dict[DecodeKey, Callable] = {}
+        self._batch_steps: dict[tuple[DecodeKey, ...], Callable] = {}  # Block.decode_batch's, by the B keys
 
     def __call__(self, S: mx.array, tokens: mx.array, pos: int, cache: LayerCache) -> mx.array:
         """State ``S [T, n_hc, E]`` of tokens at ``pos..pos+T-1`` -> the layer's output state (same shape)."""
@@ -82,6 +88,41 @@ class Block:
         S, n, post, comb, nq = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm,
                                            quantize=self.ffn.quantized_x, cols=True)  # fmt: skip
         return (S, self.ffn.forward(n, tokens, nq), post, comb), st
+
+    def decode_batch(self, S: mx.array, tokens: mx.array, positions: Sequence[int],
+                     caches: Sequence[LayerCache]) -> mx.array:  # fmt: skip
+        """One token of each of B sessions: state ``S [B, n_hc, E]``, ids ``tokens [B]``, row b at
+        ``positions[b]`` over ``caches[b]`` -> the layer's output state (same shape); updates the caches.
+
+        The HC mixes, the projections, the output products and the MoE take the B rows at once, so each weight
+        is read once a step for all of them; attention runs per session (:meth:`Attention.decode_batch`)."""
+        keys, ios = zip(*(self.attn.decode_inputs(p, c) for p, c in zip(positions, caches, strict=True)))
+        S, sts = self._batch_fn(keys)(S, tokens, [c.decode_state() for c in caches], list(ios))
+        for c, st, key in zip(caches, sts, keys):
+            c.take_decode_state(st, key)
+        return S
+
+    def _step_batch(self, keys: tuple[DecodeKey, ...], S: mx.array, tokens: mx.array, sts: list, ios: list
+                    ) -> tuple[mx.array, list]:  # fmt: skip
+        n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
+        y, sts = self.attn.decode_batch(n, sts, ios, keys)
+        S, n, post, comb, _ = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm)
+        return hc_post(S, self.ffn.forward(n, tokens), post, comb), sts
+
+    def _batch_fn(self, keys: tuple[DecodeKey, ...]) -> Callable:
+        """The batched step for ``keys`` (one per session), compiled once every raw window is full (as
+        :meth:`_step_fn`) for decode-sized batches on the kernel backends. Elsewhere it runs op by op: the pure-MLX
+        products of several tokens (larger batches, the CPU's expert gather) read ids on the host, which a
+        compiled function cannot."""
+        if not (all(k.static for k in keys) and self.compile_decode and len(keys) <= MV_MAX_TOKENS
+                and kernel_backend() != "fallback"):
+            return partial(self._step_batch, keys)
+        fn = self._batch_steps.get(keys)
+        if fn is None:
+            if len(self._batch_steps) >= BATCH_STEPS_KEPT:  # sessions join and leave: keys of past mixes
+                self._batch_steps.clear()
+            fn = self._batch_steps[keys] = mx.compile(partial(self._step_batch, keys))
+        return fn
 
     def _step_fn(self, key: DecodeKey) -> Callable:
         """The step for ``key``, compiled once the raw window is full (before that its shapes change every
@@ -149,6 +190,7 @@ class Model:
         for layer in self.layers:
             layer.compile_decode = on
             layer._steps.clear()
+            layer._batch_steps.clear()
         self._decode_head = mx.compile(self.decode_head) if on else self.decode_head
 
     def make_cache(self, reserve: int = 0) -> list[LayerCache]:
@@ -170,6 +212,19 @@ class Model:
     def decode_head(self, *carry: mx.array) -> mx.array:
         """The last layer's decode ``carry`` (see :meth:`Block.decode`) -> logits ``[1, V]``."""
         return self.head(hc_post(*carry, n_hc=self.cfg.n_hc) if len(carry) == 4 else carry[0])
+
+    def decode_batch(self, tokens: mx.array | Sequence[int], positions: Sequence[int],
+                     caches: Sequence[list[LayerCache]]) -> mx.array:  # fmt: skip
+        """One decode step of B independent sessions: ``tokens[b]`` at ``positions[b]`` over ``caches[b]`` (each a
+        session's per-layer caches, updated in place) -> next-token logits ``[B, V]``. Row b equals what
+        ``self([tokens[b]], positions[b], caches[b])`` gives, up to the products' summation order."""
+        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
+        if not (tokens.shape[0] == len(positions) == len(caches)):
+            raise ValueError(f"{tokens.shape[0]} tokens, {len(positions)} positions, {len(caches)} caches")
+        S = self.embed(tokens)
+        for il, layer in enumerate(self.layers):
+            S = layer.decode_batch(S, tokens, positions, [c[il] for c in caches])
+        return self.head(S)
 
     def __call__(
         self,

@@ -1,7 +1,7 @@
 """The ASGI app (Starlette): routes, auth, CORS, errors, and the bridge between requests and the model worker.
 
 Each POST is parsed and rendered by its API module, tokenized off the event loop, checked against the context,
-then handed to the single :class:`~ds4_mlx.server.worker.Worker` as a :class:`Job`. Streaming answers are SSE
+then handed to the :class:`~ds4_mlx.server.worker.Worker` as a :class:`Job`. Streaming answers are SSE
 that start with an event at once and send a keepalive *event* of their API (a chat chunk with an empty delta, a
 Responses ``response.in_progress``, an Anthropic ``ping``) whenever nothing was written for ``keepalive`` seconds:
 agent clients such as Codex count only events as activity, and a cold prefill can take minutes. A client that
@@ -193,8 +193,10 @@ class Server:
     async def health(self, request: Request) -> Response:
         w = self.worker
         status = "error" if w.load_error else "ok" if w.ready.is_set() else "loading"
+        active = sum(s.job is not None for s in w.slots)
         return JSONResponse({"status": status, "model": MODEL_ID, "ctx": self.cfg.ctx, "busy": w.busy,
-                             "queued": w.queued, "served": w.served, "error": w.load_error},
+                             "queued": w.queued, "served": w.served, "error": w.load_error,
+                             "sessions": {"total": w.n_sessions, "active": active, "idle": w.n_sessions - active}},
                             status_code=503 if w.load_error else 200)
 
     async def stats(self, request: Request) -> Response:

@@ -17,7 +17,7 @@ from ..cli_common import SsdCacheOpt, SsdStreamingOpt, check_sampling, expert_ca
 from ..kvstore import CachePolicy
 from ..session import DEFAULT_CHUNK
 from .common import DEFAULT_MAX_BODY_MB
-from .worker import GenParams
+from .worker import DEFAULT_PREFILL_QUANTUM, GenParams
 
 DEFAULT_MODEL = Path("ds4flash.gguf")
 
@@ -67,10 +67,12 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
                trace: Path | None = None, keepalive: float = 5.0, any_model: bool = False,
                tool_memory_max_ids: int = 100_000, log_level: str = "warning", banner: str = "",
                kv_dir: Path | None = None, kv_policy: CachePolicy | None = None,
-               max_body_mb: int = DEFAULT_MAX_BODY_MB) -> None:
+               max_body_mb: int = DEFAULT_MAX_BODY_MB, sessions: int = 1,
+               prefill_quantum: int = DEFAULT_PREFILL_QUANTUM) -> None:
     """Start the worker (it loads the model in its own thread) and serve until SIGINT or SIGTERM; return once the
     worker has finished its job, written the shutdown save of the live session (§4.9) and exited. A second
-    signal while it finishes raises :class:`KeyboardInterrupt`."""
+    signal while it finishes raises :class:`KeyboardInterrupt`. ``sessions``: live sessions served at once (their
+    decode steps batched), ``prefill_quantum``: prefill tokens between two of their decode steps."""
     import uvicorn
 
     from .app import ServerConfig, create_app
@@ -81,12 +83,14 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
                        sampling=sampling or GenParams(), api_key=api_key, cors=cors, keepalive=keepalive,
                        max_body_bytes=max_body_mb << 20, any_model=any_model, tool_memory_max_ids=tool_memory_max_ids)
     worker = Worker(load, ctx=ctx, default_max_tokens=default_max_tokens, trace=tracer,
-                    kv_dir=str(kv_dir) if kv_dir else None, kv_policy=kv_policy)
+                    kv_dir=str(kv_dir) if kv_dir else None, kv_policy=kv_policy, sessions=sessions,
+                    prefill_quantum=prefill_quantum)
     worker.start()
     app = create_app(worker, cfg, tracer, stop_worker=True)
     host = "127.0.0.1" if host == "localhost" else host
     kv = f", kv cache {kv_dir}" if kv_dir else ""
-    print(f"ds4-mlx serve: http://{host}:{port}/v1 {banner}(ctx {ctx}{kv})", file=sys.stderr, flush=True)
+    batched = f", {sessions} batched sessions" if sessions > 1 else ""
+    print(f"ds4-mlx serve: http://{host}:{port}/v1 {banner}(ctx {ctx}{kv}{batched})", file=sys.stderr, flush=True)
     if threading.current_thread() is threading.main_thread():
         # uvicorn shuts down gracefully on either signal, then raises it again: as KeyboardInterrupt for both
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -96,6 +100,13 @@ def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", 
     except KeyboardInterrupt:
         pass
     worker.stop(timeout=None)  # already stopped by the lifespan unless its save outlasted the lifespan's wait
+
+
+def _model_bytes(path: Path) -> int:
+    """Bytes of a GGUF file, or of every file of a converted directory (about what its weights take loaded)."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
 
 
 def _exit(code: int) -> None:
@@ -153,6 +164,12 @@ def serve(
         None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."),
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
+    batched_session: int = typer.Option(1, "--batched-session", help="Live sessions served at once, each with its "
+                                        "own KV state; their decode steps run as one batch (0 = as many as memory "
+                                        "holds at --ctx, at most 8; 1 = one request at a time)."),
+    mixed_prefill_quantum: int = typer.Option(DEFAULT_PREFILL_QUANTUM, "--mixed-prefill-quantum",
+                                              help="With --batched-session: prompt tokens prefilled between two "
+                                                   "decode steps of the other sessions."),
 ) -> None:
     """Serve the model over HTTP: OpenAI (chat, completions, responses) and Anthropic (messages) APIs."""
     if think not in ("none", "high", "max"):
@@ -167,6 +184,12 @@ def serve(
         raise typer.BadParameter(f"{prefill_chunk} is not a positive token count", param_hint="'--prefill-chunk'")
     if cache_limit_gb is not None and not cache_limit_gb >= 0:
         raise typer.BadParameter(f"{cache_limit_gb} is not a size in GiB (>= 0)", param_hint="'--cache-limit-gb'")
+    if batched_session < 0:
+        raise typer.BadParameter(f"{batched_session} is not a session count (>= 0; 0 = as many as fit)",
+                                 param_hint="'--batched-session'")
+    if mixed_prefill_quantum < 1:
+        raise typer.BadParameter(f"{mixed_prefill_quantum} is not a positive token count",
+                                 param_hint="'--mixed-prefill-quantum'")
     check_sampling(temp, top_p, top_k, min_p)
     kv_policy = CachePolicy(kv_disk_space_mb, kv_cache_min_tokens, kv_cache_cold_max_tokens,
                             kv_cache_continued_interval_tokens, kv_cache_boundary_trim_tokens,
@@ -189,7 +212,7 @@ def serve(
         from ..gguf_file import DS4FormatError
         from ..mlx_dir import check_model
 
-        check_model(model)  # a GGUF file or a directory written by `ds4-mlx convert`
+        cfg = check_model(model)  # a GGUF file or a directory written by `ds4-mlx convert`
         expert_cache = expert_cache_size(ssd_streaming, ssd_streaming_cache_experts)
         if expert_cache is not None:
             from ..loader import check_expert_cache
@@ -198,12 +221,22 @@ def serve(
     except (DS4FormatError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+    sessions = 1
+    if batched_session != 1:  # the live sessions' KV at --ctx must fit beside the weights
+        from ..memory import plan_sessions
+
+        try:
+            sessions = plan_sessions(batched_session, cfg, ctx, _model_bytes(model), prefill_chunk)
+        except ValueError as e:
+            typer.echo(f"error: {e} (lower --batched-session or --ctx)", err=True)
+            raise typer.Exit(2)
     try:
         run_server(model_loader(model, ctx, prefill_chunk, cache_limit_gb, expert_cache), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
                    default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
                    cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,
                    tool_memory_max_ids=0 if disable_exact_dsml_tool_replay else tool_memory_max_ids,
-                   banner=f"model {model} ", kv_dir=kv_disk_dir, kv_policy=kv_policy, max_body_mb=max_body_mb)
+                   banner=f"model {model} ", kv_dir=kv_disk_dir, kv_policy=kv_policy, max_body_mb=max_body_mb,
+                   sessions=sessions, prefill_quantum=mixed_prefill_quantum)
     except KeyboardInterrupt:  # a second Ctrl+C while the worker was finishing: leave without waiting
         _exit(130)
     _exit(0)
