@@ -1,7 +1,7 @@
 """Batched sessions (``serve --batched-session``): decode tokens/s of B sessions stepped together, and the time to
 first token of a new prompt prefilled in quanta while other sessions decode.
 
-    python benchmarks/batched.py [-m FILE | --shape tiny|full] [--ctx N] [--batches 1,2,4,8] [--steps N]
+    python benchmarks/batched.py [-m FILE | --shape tiny|full [--layers N]] [--ctx N] [--batches 1,2,4,8] [--steps N]
                                  [--ttft-prompt N] [--ttft-decoders N] [--quantum N] [--csv FILE]
 
 Decode: B sessions, each holding the same ``--ctx`` tokens (one prefill, restored into each), run ``--steps``
@@ -102,6 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", type=Path, help="a DS4 GGUF or converted directory (default: the random model)")
     ap.add_argument("--shape", default="tiny", choices=["tiny", "full"], help="random model shape (no -m)")
+    ap.add_argument("--layers", type=int, help="truncate the random model to this many layers")
     ap.add_argument("--ctx", type=int, default=2048, help="tokens each decoding session holds")
     ap.add_argument("--batches", default="1,2,4,8", help="comma-separated session counts B")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per B")
@@ -115,7 +116,7 @@ def main() -> None:
     if not batches or min(batches) < 1 or min(args.ctx, args.steps, args.quantum) < 1:
         ap.error("--batches, --ctx, --steps and --quantum must be positive")
 
-    model, _ = load(args.model) if args.model else random_model(args.shape)
+    model, _ = load(args.model) if args.model else random_model(args.shape, layers=args.layers)
     rows = decode_rates(model, args.ctx, batches, args.steps, args.chunk)
     print(f"decode at {args.ctx} tokens of context, {args.steps} steps")
     print(f"{'B':>3} {'aggregate tok/s':>16} {'x B=1':>7} {'per session tok/s':>18} {'share of B=1':>13}")

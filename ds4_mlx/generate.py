@@ -156,8 +156,8 @@ def decode_tokens(
     if lag < 0:
         raise ValueError(f"lag must be >= 0, got {lag}")
     knobs = knobs or (lambda: sampler.params)
-    if encode_thread is None:
-        encode_thread = kernel_backend() == "cuda"
+    if encode_thread is None:  # not with streamed experts: their MoE evaluates its router while it builds a step
+        encode_thread = kernel_backend() == "cuda" and getattr(session.model, "expert_cache", None) is None
     enc = StepEncoder(session) if encode_thread and lag and max_tokens > 1 else None
     with enc or contextlib.nullcontext():
         yield from _decode(session, sampler, max_tokens, lag, logprobs, knobs, enc)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -18,9 +18,9 @@ from ds4_mlx.sampling import GREEDY_PARAMS, Sampler
 from ds4_mlx.session import Session
 from ds4_mlx.streaming import ExpertCache, parse_cache_size
 from kernel_util import BACKEND, kernel_backend_set, needs_gpu
-from server_util import ROOT, start_server, stop_server
 
 TOKENS = np.random.default_rng(0).integers(2, 500, 90).tolist()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +146,9 @@ def test_the_command_line_refuses_bad_streaming_flags(gguf, tmp_path):
 
 
 def test_serve_reports_the_streamed_experts(gguf):
+    import httpx
+    from server_util import start_server, stop_server
+
     proc, base = start_server(gguf, "--ssd-streaming")
     try:
         assert httpx.get(base + "/v1/stats").json()["experts"]["slots"] == 48  # 50 % of 96
