@@ -124,6 +124,13 @@ class _Queued:
     queued: threading.Event | None = None  # set once the step that takes it is queued (StepEncoder)
 
 
+def default_encode_thread(session: Session) -> bool:
+    """Whether :func:`decode_tokens` queues steps from a second thread by default: on CUDA, where it was measured,
+    but not with streamed experts, whose MoE evaluates its router while the next step is built (two threads
+    evaluating at once crashed MLX-CUDA)."""
+    return kernel_backend() == "cuda" and getattr(session.model, "expert_cache", None) is None
+
+
 def decode_tokens(
     session: Session,
     sampler: Sampler,
@@ -156,8 +163,8 @@ def decode_tokens(
     if lag < 0:
         raise ValueError(f"lag must be >= 0, got {lag}")
     knobs = knobs or (lambda: sampler.params)
-    if encode_thread is None:  # not with streamed experts: their MoE evaluates its router while it builds a step
-        encode_thread = kernel_backend() == "cuda" and getattr(session.model, "expert_cache", None) is None
+    if encode_thread is None:
+        encode_thread = default_encode_thread(session)
     enc = StepEncoder(session) if encode_thread and lag and max_tokens > 1 else None
     with enc or contextlib.nullcontext():
         yield from _decode(session, sampler, max_tokens, lag, logprobs, knobs, enc)

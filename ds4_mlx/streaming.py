@@ -154,9 +154,13 @@ class ExpertCache:
         self.slots = min(int(cap_bytes) // self.unit_bytes, self.n_units)
         check_cache_size(self.slots, max(min_slots, 1), self.unit_bytes)
         self.templates = first
-        self.pools = [mx.zeros((self.slots, *t.storage_shape), dtype=storage_dtypes(t.qtype)[1])
-                      for t in first]  # fmt: skip
+        self.pools = [mx.array(np.zeros((self.slots, *t.storage_shape), storage_dtypes(t.qtype)[0])).view(
+                      storage_dtypes(t.qtype)[1]) for t in first]  # allocated here, each byte its own  fmt: skip
         mx.eval(self.pools)
+        # On the CPU the reads land in the pools themselves (numpy views of their memory): no copy. Elsewhere a
+        # read is copied into its slot by MLX (the GPU's buffers are not host memory on every backend).
+        self._views = [_host_view(p) for p in self.pools] if mx.default_device() == mx.cpu else [None] * len(self.pools)
+        self._pending: list[mx.array] = []  # outputs computed from the pools, not evaluated yet (see reading)
         self._slot_of: dict[tuple[int, int], int] = {}
         self._owner: list[tuple[int, int] | None] = [None] * self.slots
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(self.slots))  # least recent first
@@ -232,28 +236,39 @@ class ExpertCache:
         weights = tuple(QuantWeight(pool, t.qtype, (self.slots, *t.shape[1:])) for pool, t in zip(self.pools, self.templates))
         return weights, mx.array(table[ids])
 
+    def reading(self, out: mx.array) -> mx.array:
+        """``out``, computed from the pools: it is evaluated before a read lands in a slot in place (MLX does not
+        see those writes, so a lazy graph could read the slot after it changed)."""
+        if any(v is not None for v in self._views):
+            self._pending.append(out)
+        return out
+
     def _load(self, il: int, experts: list[int], slots: list[int]) -> None:
         """Read ``experts`` of layer ``il`` from the file into ``slots`` of the pools."""
         t0 = time.perf_counter()
-        trio = self.experts[il]
-        jobs = [(t, e) for t in trio for e in experts]
-        blobs = list(self._readers.map(lambda job: self._read(*job), jobs))
-        idx = mx.array(np.array(slots, np.int32))
-        for i, (pool, t) in enumerate(zip(self.pools, trio)):
-            np_dtype, mx_dtype = storage_dtypes(t.qtype)
-            part = blobs[i * len(experts) : (i + 1) * len(experts)]
-            rows = np.stack([np.frombuffer(b, np_dtype).reshape(t.storage_shape) for b in part])
-            pool[idx] = mx.array(rows).view(mx_dtype)  # in place: the pools' buffers are their only references
+        if self._pending:
+            mx.eval(self._pending)
+            self._pending.clear()
+        jobs = [(i, t, e, s) for i, t in enumerate(self.experts[il]) for e, s in zip(experts, slots)]
+        for i, t, blob, slot in self._readers.map(lambda job: (*job[:2], self._read(*job), job[3]), jobs):
+            if blob is not None:  # a slice update a slot, in place: the pools' buffers are their only references
+                np_dtype, mx_dtype = storage_dtypes(t.qtype)
+                self.pools[i][slot] = mx.array(np.frombuffer(blob, np_dtype).reshape(t.storage_shape)).view(mx_dtype)
         mx.eval(self.pools)
         self.bytes_read += len(experts) * self.unit_bytes
         self.read_seconds += time.perf_counter() - t0
 
-    def _read(self, t: StreamedTensor, e: int) -> bytes:
-        size = t.expert_bytes
-        fd = self._fd(t.path)
+    def _read(self, i: int, t: StreamedTensor, e: int, slot: int) -> bytes | None:
+        """Expert ``e`` of ``t`` (pool ``i``): into its slot where the pool is host memory (None), else its bytes."""
+        size, fd = t.expert_bytes, self._fd(t.path)
         off = t.offset + e * size
-        data = os.pread(fd, size, off)
-        if len(data) != size:
+        view = self._views[i]
+        if view is not None:
+            got, data = os.preadv(fd, [memoryview(view[slot]).cast("B")], off), None
+        else:
+            data = os.pread(fd, size, off)
+            got = len(data)
+        if got != size:
             raise OSError(f"{t.path}: expert {e} of {t.name} needs bytes {off}..{off + size}, the file ends at "
                           f"{os.fstat(fd).st_size} (truncated or changed since it was loaded)")  # fmt: skip
         return data
@@ -269,3 +284,15 @@ class ExpertCache:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _host_view(pool: mx.array) -> np.ndarray | None:
+    """A writable numpy view of a uint8 pool's own memory, or None. ``mx.zeros`` may be one broadcast value (zero
+    strides): then the pool is first made an array of its own."""
+    if pool.dtype != mx.uint8:
+        return None
+    view = np.asarray(memoryview(pool))
+    if view.flags.c_contiguous and view.flags.writeable:
+        return view
+    return None
+

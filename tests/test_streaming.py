@@ -4,6 +4,7 @@ add up, and bad sizes or a file cut short end in clear errors."""
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import subprocess
 import sys
@@ -86,6 +87,13 @@ def test_streamed_greedy_tokens_equal_the_resident_models(gguf, resident):
         return [t for t, _ in decode_tokens(s, Sampler(GREEDY_PARAMS), 12)]
 
     assert greedy(load(gguf, expert_cache="6")[0]) == greedy(resident)
+
+
+def test_streamed_models_decode_from_one_thread(gguf, resident, monkeypatch):
+    generate = importlib.import_module("ds4_mlx.generate")  # the package exports a function of that name
+    monkeypatch.setattr(generate, "kernel_backend", lambda: "cuda")
+    assert generate.default_encode_thread(Session(resident))
+    assert not generate.default_encode_thread(Session(load(gguf, expert_cache="6")[0]))
 
 
 def test_the_cache_evicts_the_least_recently_used(gguf):

@@ -160,7 +160,7 @@ class MoE:
         ids = np.array(sel)  # which experts to read: the router's output, on the host
         if len(np.unique(ids)) <= self.streamed.slots:
             weights, slots = self.streamed.fetch(self.il, ids)
-            return self.experts(n, slots, w, nq, weights=weights)
+            return self.streamed.reading(self.experts(n, slots, w, nq, weights=weights))
         n = cols(n, self.ffn_gate_inp.in_features)
         if host.wanted(len(ids)) and kernel_backend() == "fallback":
             y = self._streamed_by_expert(n, ids, w)

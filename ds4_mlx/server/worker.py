@@ -601,7 +601,7 @@ class Worker:
 
     def expert_stats(self) -> dict | None:
         """The streamed experts' cache counters (``--ssd-streaming``), or None when the experts are resident."""
-        cache = getattr(self.session.model, "expert_cache", None) if self.session is not None else None
+        cache = getattr(getattr(self.session, "model", None), "expert_cache", None)  # no model: a test's fake session
         return cache.stats() if cache is not None else None
 
     # -- live protocol bindings (§5.3) ----------------------------------------------------------------------
