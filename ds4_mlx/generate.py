@@ -157,7 +157,9 @@ def decode_tokens(
         raise ValueError(f"lag must be >= 0, got {lag}")
     knobs = knobs or (lambda: sampler.params)
     if encode_thread is None:  # not with streamed experts: their MoE evaluates its router while it builds a step
-        encode_thread = kernel_backend() == "cuda" and getattr(session.model, "expert_cache", None) is None
+        model = session.model  # nor in a pipeline, whose steps queue their sends while they are built
+        encode_thread = (kernel_backend() == "cuda" and getattr(model, "expert_cache", None) is None
+                         and not getattr(model, "queues_while_building", False))
     enc = StepEncoder(session) if encode_thread and lag and max_tokens > 1 else None
     with enc or contextlib.nullcontext():
         yield from _decode(session, sampler, max_tokens, lag, logprobs, knobs, enc)
