@@ -234,10 +234,13 @@ class PipelineFollower:
     """A rank after rank 0: holds its layers (the output head on the last rank) and each session's state for
     them, and serves rank 0's commands (:meth:`run`)."""
 
+    expert_cache = None
+
     def __init__(self, stage: Model, group: Any, split: Sequence[range]):
         self.stage, self.split = stage, list(split)
         self.cfg = stage.cfg
-        self.weights_bytes = stage.weights_bytes
+        self.rank = group.rank()
+        self.weights_bytes = stage.weights_bytes  # this rank's
         self._chain = _Chain(group)
         self.states: dict[int, list[LayerCache]] = {}
 
