@@ -127,3 +127,31 @@ def test_lost_rank_ends_the_others(tiny_gguf, tmp_path, victim):
     survivor = ranks[1 - victim]
     assert not _alive(survivor) and took < 10, (took, err.read_text(errors="replace")[-2000:])
     assert f"rank {victim} exited with code -9" in err.read_text(errors="replace")
+
+
+class _Group:
+    """A stand-in for an ``mx.distributed`` group: loading a stage only asks its rank and size."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_each_rank_reads_only_its_tensors(tiny_gguf):
+    from ds4_mlx.distributed import PipelineFollower, PipelineModel
+
+    path = tiny_gguf()
+    whole, _ = load(path)
+    stages = [load(path, group=_Group(r, 3), layers="0:1,1:4,4:6")[0] for r in range(3)]
+    assert isinstance(stages[0], PipelineModel) and all(isinstance(s, PipelineFollower) for s in stages[1:])
+    assert [[b.il for b in s.stage.layers] for s in stages] == [[0], [1, 2, 3], [4, 5]]
+    assert sum(s.weights_bytes for s in stages) == whole.weights_bytes
+    assert stages[0].stage.token_embd is not None and stages[1].stage.token_embd is None
+    assert hasattr(stages[2].stage, "output") and not hasattr(stages[0].stage, "output")
+    with pytest.raises(ValueError, match="one rank"):
+        load(path, layers="0:6")
