@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .cli_common import (ErrorLineGroup, SsdCacheOpt, SsdStreamingOpt, check_output_file, check_sampling,
-                         expert_cache_size, fail, say)
+                         expert_cache_size, fail, follow, lead, pipeline_group, say)
+from .distributed import PipelineFollower
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
 from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
 from .gguf_file import DS4FormatError, open_gguf
@@ -191,6 +192,12 @@ ThinkMaxOpt = typer.Option(False, "--think-max", help="Think Max (needs --ctx >=
 ChunkOpt = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", help="Prompt tokens per model call (ds4's default too).")
 CacheLimitOpt = typer.Option(
     None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none).")
+ParallelOpt = typer.Option(
+    None, "--parallel", help="'pipeline': split the layers over the ranks started by mlx.launch; each reads only its "
+    "layers' tensors. Rank 0 tokenizes, samples and prints; the others follow.")
+LayersOpt = typer.Option(
+    None, "--layers", help="With --parallel pipeline: each rank's layers, one A:B per rank, e.g. 0:20,20:43 "
+    "(default: an even split).")
 
 
 def _model_path(model: Optional[Path], demo: bool) -> Path:
@@ -208,17 +215,24 @@ def _model_path(model: Optional[Path], demo: bool) -> Path:
     return path
 
 
-def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = None, expert_cache: str | None = None):
+def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = None, expert_cache: str | None = None,
+          parallel: Optional[str] = None, layers: Optional[str] = None):  # fmt: skip
     """The model and tokenizer, with a bar for a long load; MLX's memory limits set for its size. ``expert_cache``:
-    stream the routed experts through a cache of this size (:func:`ds4_mlx.cli_common.expert_cache_size`)."""
+    stream the routed experts through a cache of this size (:func:`ds4_mlx.cli_common.expert_cache_size`).
+    ``parallel="pipeline"``: this rank's stage of a layer pipeline (:mod:`ds4_mlx.distributed`); on a rank after
+    the first the model is a :class:`~ds4_mlx.distributed.PipelineFollower` (see :func:`_follow`)."""
     from .loader import load
     from .memory import set_memory_limits
 
     path = _model_path(model, demo)
-    say(f"loading {path}…")
+    group = pipeline_group(parallel, layers)
+    quiet = group is not None and group.rank() > 0  # the other ranks follow quietly
+    if not quiet:
+        say(f"loading {path}…" if group is None else f"loading {path}: pipeline of {group.size()} ranks…")
     bar = _DelayedBar("loading", bytes_=True)
+    progress = None if quiet else lambda stage, done, total: bar(done, total, stage)
     try:
-        m, tok = load(path, progress=lambda stage, done, total: bar(done, total, stage), expert_cache=expert_cache)
+        m, tok = load(path, progress=progress, expert_cache=expert_cache, group=group, layers=layers)
         set_memory_limits(m.weights_bytes, cache_gb=cache_limit_gb)
         if m.expert_cache is not None:
             c = m.expert_cache
@@ -365,10 +379,13 @@ def generate(
     cache_limit_gb: Optional[float] = CacheLimitOpt,
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
+    parallel: Optional[str] = ParallelOpt,
+    layers: Optional[str] = LayersOpt,
 ) -> None:
     """Generate a continuation of one prompt, rendered as a DS4 chat turn (like `ds4 -p`).
 
-    The text streams to stdout; prefill/decode speed and peak memory go to stderr at the end.
+    The text streams to stdout; prefill/decode speed and peak memory go to stderr at the end. Over several
+    machines: mlx.launch -n 2 --hostfile hosts.json -- ds4-mlx generate --parallel pipeline -m FILE -p ...
     """
     if (prompt is None) == (prompt_file is None):
         fail("give exactly one of -p/--prompt or --prompt-file")
@@ -388,16 +405,20 @@ def generate(
         return
     mode = _think_mode(think, nothink, think_max, ctx)
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
-    m, tok = _load(model, demo, cache_limit_gb, expert_cache_size(ssd_streaming, ssd_streaming_cache_experts))
-    ids = prompt_tokens(tok, prompt, system=system, think=mode)
-    if len(ids) >= ctx:
-        fail(f"the prompt is {len(ids)} tokens, which does not fit --ctx {ctx}")
-    if dump_logprobs is not None:
-        _dump_logprobs(m, tok, ids, dump_logprobs, n=n, ctx=ctx, top_k=logprobs_top_k)
-        return
-    params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    session = Session(m, chunk_size=prefill_chunk, reserve=min(ctx, len(ids) + n))
-    _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=_Printer())
+    m, tok = _load(model, demo, cache_limit_gb, expert_cache_size(ssd_streaming, ssd_streaming_cache_experts),
+                   parallel, layers)
+    if isinstance(m, PipelineFollower):
+        return follow(m)
+    with lead(m):
+        ids = prompt_tokens(tok, prompt, system=system, think=mode)
+        if len(ids) >= ctx:
+            fail(f"the prompt is {len(ids)} tokens, which does not fit --ctx {ctx}")
+        if dump_logprobs is not None:
+            _dump_logprobs(m, tok, ids, dump_logprobs, n=n, ctx=ctx, top_k=logprobs_top_k)
+            return
+        params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+        session = Session(m, chunk_size=prefill_chunk, reserve=min(ctx, len(ids) + n))
+        _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=_Printer())
     Console(stderr=True).print(stats_text(last), highlight=False)
     if m.expert_cache is not None:
         st = m.expert_cache.stats()

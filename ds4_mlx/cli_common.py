@@ -109,3 +109,71 @@ def expert_cache_size(ssd_streaming: bool, cache_experts: str | None) -> str | N
     if cache_experts is not None:
         return cache_experts
     return "50%" if ssd_streaming else None
+
+
+# ---- pipeline parallel (mlx.launch) ---------------------------------------------------------------------------
+
+LOST_RANK = 1  # exit status of a rank whose pipeline lost another rank
+
+
+def pipeline_group(parallel: str | None, layers: str | None):
+    """The ``mx.distributed`` group for ``--parallel`` (``None`` without it); bad flags fail. Under ``mlx.launch``
+    the launcher's environment names the ranks; a process started alone is a group of one, which is refused."""
+    if parallel is None:
+        if layers is not None:
+            fail("--layers splits the model over the ranks of --parallel pipeline")
+        return None
+    if parallel != "pipeline":
+        fail(f"--parallel {parallel!r}: the available mode is 'pipeline'")
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.size() < 2:
+        fail("--parallel pipeline needs several ranks: start it with mlx.launch -n N [--hostfile FILE] -- ds4-mlx ...")
+    return group
+
+
+def lost_rank(rank: int, error: BaseException) -> NoReturn:
+    """Print why this rank's pipeline ended and exit with :data:`LOST_RANK`."""
+    stderr.print(f"[bold red]error:[/] pipeline rank {rank}: {escape(str(error))} (another rank exited or "
+                 "disconnected)")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(LOST_RANK)  # not through interpreter shutdown: MLX's communication threads may still be waiting
+
+
+def follow(follower) -> None:
+    """Run a :class:`~ds4_mlx.distributed.PipelineFollower` until rank 0 closes the pipeline."""
+    try:
+        follower.run()
+    except RuntimeError as e:
+        if not lost_peer(e):
+            raise
+        lost_rank(follower.rank, e)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is MLX's communication backend reporting a lost rank (the ring backend's "connection to a
+    peer was lost", a closed socket)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in ("peer", "connection", "socket"))
+
+
+class lead:
+    """Rank 0's pipeline (or a one-process model, for which it does nothing) around a command's work: closes the
+    pipeline at the end, whatever ends it, and turns a lost rank into :func:`lost_rank`."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __enter__(self):
+        return self.model
+
+    def __exit__(self, kind, error, tb) -> bool:
+        close = getattr(self.model, "close", None)
+        if close is None:
+            return False
+        if error is not None and lost_peer(error):
+            lost_rank(0, error)
+        close()
+        return False

@@ -127,8 +127,10 @@ class _Queued:
 def default_encode_thread(session: Session) -> bool:
     """Whether :func:`decode_tokens` queues steps from a second thread by default: on CUDA, where it was measured,
     but not with streamed experts, whose MoE evaluates its router while the next step is built (two threads
-    evaluating at once crashed MLX-CUDA)."""
-    return kernel_backend() == "cuda" and getattr(session.model, "expert_cache", None) is None
+    evaluating at once crashed MLX-CUDA), nor in a pipeline, whose steps queue their sends while they are built."""
+    model = getattr(session, "model", None)  # None: a test's scripted session
+    return (kernel_backend() == "cuda" and getattr(model, "expert_cache", None) is None
+            and not getattr(model, "queues_while_building", False))
 
 
 def decode_tokens(

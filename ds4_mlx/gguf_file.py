@@ -153,13 +153,14 @@ def open_gguf(path: str | os.PathLike) -> GGUFModel:
 
 
 def load_weights(model: GGUFModel, progress: Callable[[int, int], None] | None = None, *,
-                 stream_experts: bool = False) -> dict[str, Any]:  # fmt: skip
+                 stream_experts: bool = False, keep: Callable[[str], bool] | None = None) -> dict[str, Any]:  # fmt: skip
     """Turn the bound tensors into MLX values keyed by GGUF name.
 
     Matrices (ndim >= 2) become :class:`ds4_mlx.weights.QuantWeight`; 1-D F32 tensors and the hash
     routing tables become plain ``mx.array`` (float32 / int32). With ``stream_experts`` the routed experts stay in
     the file (:class:`ds4_mlx.streaming.StreamedTensor`). ``progress(bytes read, total)`` after each tensor (each
-    is copied out of the file's memory map, so this is the file's read).
+    is copied out of the file's memory map, so this is the file's read). ``keep(name)``: only the tensors it
+    accepts are read (a pipeline stage's), the others stay in the file untouched.
     """
     import mlx.core as mx
 
@@ -167,9 +168,10 @@ def load_weights(model: GGUFModel, progress: Callable[[int, int], None] | None =
     from .weights import QuantWeight
 
     out: dict[str, Any] = {}
-    streamed = {n for n in model.tensors if stream_experts and is_routed_expert(n)}
-    total, done = model.nbytes - sum(model.tensors[n].nbytes for n in streamed), 0
-    for name, t in model.tensors.items():
+    tensors = {n: t for n, t in model.tensors.items() if keep is None or keep(n)}
+    streamed = {n for n in tensors if stream_experts and is_routed_expert(n)}
+    total, done = sum(t.nbytes for n, t in tensors.items() if n not in streamed), 0
+    for name, t in tensors.items():
         if name in streamed:
             out[name] = StreamedTensor(name, t.qtype, t.shape, model.path, t.offset)
             continue

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .gguf_file import load_weights, open_gguf
-from .model.model import Model
+from .model.model import Model, stage_tensor
 from .numerics import Numerics
 
 
@@ -19,7 +19,9 @@ def load(
     *,
     progress: Callable[[str, int, int], None] | None = None,
     expert_cache: str | None = None,
-) -> tuple[Model, Any]:
+    group: Any = None,
+    layers: str | None = None,
+) -> tuple[Any, Any]:
     """Load a DS4 GGUF or converted model directory -> ``(model, tokenizer)``; tokenizer is ``None`` when it
     can't be built.
 
@@ -30,19 +32,40 @@ def load(
 
     ``expert_cache`` (a GGUF only): leave the routed experts in the file and stream them through a device cache
     of that size (``"N"`` experts, ``"N%"`` of them or ``"NGB"``, see :mod:`ds4_mlx.streaming`).
+
+    ``group`` (an ``mx.distributed`` group of several ranks, e.g. ``mx.distributed.init()`` under ``mlx.launch``):
+    a layer pipeline (:mod:`ds4_mlx.distributed`). Each rank reads only its layers' tensors: ``layers`` gives
+    every rank's range (``"0:2,2:6"``; default an even split). Rank 0 gets a
+    :class:`~ds4_mlx.distributed.PipelineModel` and the tokenizer, the others a
+    :class:`~ds4_mlx.distributed.PipelineFollower` to ``run()`` and ``None``. A group of one rank loads as without.
     """
+    pipeline = group is not None and group.size() > 1
+    if pipeline and expert_cache is not None:
+        raise ValueError("expert streaming is not available in a pipeline")
+    if layers is not None and not pipeline:
+        raise ValueError("--layers splits the model over the ranks of a pipeline; this is one rank")
     if Path(path).is_dir():
         if expert_cache is not None:
             raise ValueError(f"{path}: expert streaming reads a GGUF file, not a converted directory")
         from .mlx_dir import open_mlx_dir
 
         config, weights, tokenizer_data = open_mlx_dir(path)
+        split, keep = _stage(config, group, layers) if pipeline else (None, None)
+        weights = weights if keep is None else {n: w for n, w in weights.items() if keep(n)}
     else:
         gguf = open_gguf(path)
         read = None if progress is None else lambda done, total: progress("reading", done, total)
-        weights = load_weights(gguf, read, stream_experts=expert_cache is not None)
         config, tokenizer_data = gguf.config, gguf.tokenizer
+        split, keep = _stage(config, group, layers) if pipeline else (None, None)
+        weights = load_weights(gguf, read, stream_experts=expert_cache is not None, keep=keep)
         _to_device(weights, progress)
+    if pipeline:
+        from .distributed import PipelineFollower, PipelineModel
+
+        stage = Model(config, weights, numerics, layers=split[group.rank()])
+        if group.rank() > 0:
+            return PipelineFollower(stage, group, split), None
+        return PipelineModel(stage, group, split), _tokenizer(tokenizer_data)
     cache = None
     if expert_cache is not None:
         from .streaming import ExpertCache
@@ -51,11 +74,24 @@ def load(
     model = Model(config, weights, numerics)
     if cache is not None:
         model.stream_experts(cache)
+    return model, _tokenizer(tokenizer_data)
+
+
+def _tokenizer(tokenizer_data: Any) -> Any:
     try:
         from .tokenizer import Tokenizer
     except ImportError:
-        return model, None
-    return model, Tokenizer.from_gguf(tokenizer_data)
+        return None
+    return Tokenizer.from_gguf(tokenizer_data)
+
+
+def _stage(config: Any, group: Any, layers: str | None) -> tuple[list[range], Callable[[str], bool]]:
+    """Every rank's layers and which tensors this rank reads."""
+    from .distributed import split_layers
+
+    split = split_layers(config.n_layer, group.size(), layers)
+    mine = split[group.rank()]
+    return split, lambda name: stage_tensor(name, mine, config.n_layer)
 
 
 def _to_device(weights: dict[str, Any], progress: Callable[[str, int, int], None] | None) -> None:

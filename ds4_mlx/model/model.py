@@ -143,24 +143,32 @@ class Model:
         cfg: the model's :class:`ModelConfig` (every dimension comes from here).
         weights: ``{gguf tensor name: QuantWeight | mx.array}``.
         numerics: numeric profile (``"ds4"`` default, ``"hf"``) or a :class:`Numerics`.
+        layers: the layers to build (default all). A part of the layers is a pipeline stage
+            (:mod:`ds4_mlx.distributed`): it runs :meth:`decode_layers` / :meth:`prefill_layers`, and holds the
+            embedding only if it starts at layer 0 and the output head only if it ends at the last layer
+            (``weights`` then needs only the stage's tensors, :func:`stage_tensor`).
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, Any], numerics: str | Numerics | None = "ds4"):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Any], numerics: str | Numerics | None = "ds4",
+                 layers: range | None = None):  # fmt: skip
         self.cfg = cfg
         self.numerics = get_numerics(numerics)
+        self.layer_range = range(cfg.n_layer) if layers is None else layers
         self.weights_bytes = sum(w.nbytes for w in weights.values())  # what the weights take in memory
-        self.token_embd = weights["token_embd.weight"]  # [V, E] F16
-        self.layers = [Block(cfg, il, weights, self.numerics) for il in range(cfg.n_layer)]
+        first, last = self.layer_range.start == 0, self.layer_range.stop == cfg.n_layer
+        self.token_embd = weights["token_embd.weight"] if first else None  # [V, E] F16
+        self.layers = [Block(cfg, il, weights, self.numerics) for il in self.layer_range]
         # On CUDA, arrays made from host data (a GGUF, the random model's host-drawn tables) sit in managed memory
         # and the GPU faults a page in at first touch, inside a step (an embedding row's fault took 179 µs;
         # Nsight Compute on the H200). A decode step reads one row, picked by the token, of the
         # embedding and of the hash layers' routing tables: read them once now.
         hash_tables = [b.ffn.ffn_gate_tid2eid for b in self.layers if b.ffn.ffn_gate_tid2eid is not None]
-        for table in [self.token_embd.data, *hash_tables]:
+        for table in ([self.token_embd.data] if first else []) + hash_tables:
             fault_in(table)
-        self.output_hc = tuple(weights[f"output_hc_{k}.weight"] for k in ("fn", "scale", "base"))
-        self.output_norm = weights["output_norm.weight"]  # [E]
-        self.output = weights["output.weight"]  # [V, E] Q8_0 (not tied to the embedding)
+        if last:
+            self.output_hc = tuple(weights[f"output_hc_{k}.weight"] for k in ("fn", "scale", "base"))
+            self.output_norm = weights["output_norm.weight"]  # [E]
+            self.output = weights["output.weight"]  # [V, E] Q8_0 (not tied to the embedding)
         self.expert_cache = None  # where the routed experts stream from (stream_experts), if they do
         # Evaluate the state after every layer when a call has at least this many tokens: bounds the
         # memory of long prefill chunks; single-token decode stays one lazy graph.
@@ -196,7 +204,7 @@ class Model:
     def make_cache(self, reserve: int = 0) -> list[LayerCache]:
         """Fresh per-layer KV state (raw window, compressed rows, compressor/indexer frontiers); the
         compressed-row buffers are sized for ``reserve`` tokens when they are first written."""
-        return [make_layer_cache(self.cfg, il, reserve) for il in range(self.cfg.n_layer)]
+        return [make_layer_cache(self.cfg, il, reserve) for il in self.layer_range]
 
     def embed(self, tokens: mx.array) -> mx.array:
         """``tokens [T]`` -> initial state ``[T, n_hc, E]``: every stream is the f16 embedding row (§4.2)."""
@@ -242,21 +250,46 @@ class Model:
         whose state is then evaluated; when it returns true, :class:`PrefillCancelled` is raised and ``caches``
         are left part-way (the caller rolls them back, as ``Session.prefill`` does).
         """
-        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
+        tokens = token_array(tokens)
         S = self.embed(tokens)
         if tokens.shape[0] == 1:
-            carry = (S,)
-            for layer, cache in zip(self.layers, caches, strict=True):
-                carry = layer.decode(carry, tokens, pos, cache)
-            logits = self._decode_head(*carry)
+            logits = self._decode_head(*self.decode_layers((S,), tokens, pos, caches))
             return logits if all_logits else logits[0]
+        S = self.prefill_layers(S, tokens, pos, caches, should_stop=should_stop)
+        return self.head(S) if all_logits else self.head(S[-1:])[0]
+
+    def decode_layers(self, carry: tuple, tokens: mx.array, pos: int, caches: list[LayerCache]) -> tuple:
+        """One token through this model's layers: ``carry`` in and out as in :meth:`Block.decode`."""
+        for layer, cache in zip(self.layers, caches, strict=True):
+            carry = layer.decode(carry, tokens, pos, cache)
+        return carry
+
+    def prefill_layers(self, S: mx.array, tokens: mx.array, pos: int, caches: list[LayerCache], *,
+                       should_stop: Callable[[], bool] | None = None) -> mx.array:  # fmt: skip
+        """Several tokens' state ``S [T, n_hc, E]`` through this model's layers (``should_stop`` as in
+        :meth:`__call__`)."""
         for layer, cache in zip(self.layers, caches, strict=True):
             S = layer(S, tokens, pos, cache)
             if tokens.shape[0] >= self.eval_layers_from or should_stop is not None:
                 mx.eval(S)
             if should_stop is not None and should_stop():
-                raise PrefillCancelled(f"prefill stopped after layer {layer.il} of {len(self.layers)}")
-        return self.head(S) if all_logits else self.head(S[-1:])[0]
+                raise PrefillCancelled(f"prefill stopped after layer {layer.il} of {self.cfg.n_layer}")
+        return S
+
+
+def token_array(tokens: mx.array | Sequence[int]) -> mx.array:
+    """Token ids as an int32 ``mx.array`` (lists converted, arrays cast)."""
+    return mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
+
+
+def stage_tensor(name: str, layers: range, n_layer: int) -> bool:
+    """Whether the GGUF tensor ``name`` belongs to the pipeline stage of ``layers``: its layers' ``blk.N.``
+    tensors, the embedding on the first stage, the output head on the last."""
+    if name.startswith("blk."):
+        return int(name.split(".", 2)[1]) in layers
+    if name.startswith("token_embd."):
+        return layers.start == 0
+    return layers.stop == n_layer  # output_hc_*, output_norm, output
 
 
 def _quant_weights(obj: Any, seen: set[int] | None = None) -> list[QuantWeight]:

@@ -1,0 +1,53 @@
+"""One rank of the pipeline tests (tests/test_distributed.py), started by ``mlx.launch``:
+``pipeline_rank.py MODEL.gguf LAYERS|- PROFILES OUT.npz`` (PROFILES: ``hf,ds4``). Rank 0 writes, for each profile, the full prefill's
+logits, a chunked prefill's and the decode steps' logits, a snapshot's replay and greedy generated ids;
+the other ranks follow."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+from ds4_mlx.generate import stream_generate
+from ds4_mlx.loader import load
+from ds4_mlx.sampling import SamplingParams
+from ds4_mlx.session import Session
+
+PROMPT = [0] + np.random.default_rng(0).integers(2, 512, 44).tolist()
+PREFILL, CHUNK, GENERATED = 30, 7, 12
+
+
+def run(model, tokenizer) -> dict[str, np.ndarray]:
+    """What tests/test_distributed.py compares between one rank and a pipeline."""
+    full = np.array(model(PROMPT, 0, model.make_cache(), all_logits=True))
+    s = Session(model, chunk_size=CHUNK)
+    s.prefill(PROMPT[:PREFILL])
+    chunked = np.array(s.logits)
+    snap = s.snapshot()
+    steps = np.stack([np.array(s.step(t)) for t in PROMPT[PREFILL:]])
+    s.restore(snap)
+    replay = np.stack([np.array(s.step(t)) for t in PROMPT[PREFILL:]])
+    greedy = SamplingParams(temperature=0.0)
+    ids = [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=GENERATED, sampling=greedy)
+           if r.token is not None]
+    return {"full": full, "chunked": chunked, "steps": steps, "replay": replay, "ids": np.array(ids)}
+
+
+def main(path: str, layers: str, profiles: str, out: str) -> None:
+    group = mx.distributed.init()
+    results = {}
+    for profile in profiles.split(","):
+        model, tokenizer = load(path, numerics=profile, group=group, layers=None if layers == "-" else layers)
+        if group.rank() > 0:
+            model.run()
+            continue
+        with model:
+            results.update({f"{profile}.{k}": v for k, v in run(model, tokenizer).items()})
+    if group.rank() == 0:
+        np.savez(out, **results)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
