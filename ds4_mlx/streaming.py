@@ -154,8 +154,7 @@ class ExpertCache:
         self.slots = min(int(cap_bytes) // self.unit_bytes, self.n_units)
         check_cache_size(self.slots, max(min_slots, 1), self.unit_bytes)
         self.templates = first
-        self.pools = [mx.array(np.zeros((self.slots, *t.storage_shape), storage_dtypes(t.qtype)[0])).view(
-                      storage_dtypes(t.qtype)[1]) for t in first]  # allocated here, each byte its own  fmt: skip
+        self.pools = [mx.zeros((self.slots, *t.storage_shape), dtype=storage_dtypes(t.qtype)[1]) for t in first]
         mx.eval(self.pools)
         # On the CPU the reads land in the pools themselves (numpy views of their memory): no copy. Elsewhere a
         # read is copied into its slot by MLX (the GPU's buffers are not host memory on every backend).
@@ -287,8 +286,7 @@ class ExpertCache:
 
 
 def _host_view(pool: mx.array) -> np.ndarray | None:
-    """A writable numpy view of a uint8 pool's own memory, or None. ``mx.zeros`` may be one broadcast value (zero
-    strides): then the pool is first made an array of its own."""
+    """A writable numpy view of a uint8 pool's own memory (contiguous, one byte a byte), or None."""
     if pool.dtype != mx.uint8:
         return None
     view = np.asarray(memoryview(pool))
