@@ -127,7 +127,8 @@ def compile_cubin(text: str, arch: str) -> bytes:
         if rc:
             raise RuntimeError(f"{what}: {lib.nvrtcGetErrorString(rc).decode()}")
 
-    check(lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"ds4_kernel.cu", 0, None, None), "nvrtcCreateProgram")
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"ds4_kernel.cu", 0, None, None),
+          "nvrtcCreateProgram")
     try:
         opts = [f"--gpu-architecture={arch}", "--std=c++17", *(f"--include-path={d}" for d in include_dirs())]
         argv = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
@@ -137,7 +138,8 @@ def compile_cubin(text: str, arch: str) -> bytes:
             lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
             log = ctypes.create_string_buffer(size.value + 1)
             lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(rc).decode()}\n{log.value.decode(errors='replace')[-4000:]}")
+            message = log.value.decode(errors="replace")[-4000:]
+            raise RuntimeError(f"NVRTC: {lib.nvrtcGetErrorString(rc).decode()}\n{message}")
         size = ctypes.c_size_t()
         check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
         out = ctypes.create_string_buffer(size.value)

@@ -104,7 +104,8 @@ def _to_device(weights: dict[str, Any], progress: Callable[[str, int, int], None
 
     if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
         return
-    arrays = [w.data if isinstance(w, QuantWeight) else w for w in weights.values() if isinstance(w, (QuantWeight, mx.array))]
+    resident = [w for w in weights.values() if isinstance(w, (QuantWeight, mx.array))]  # not streamed experts
+    arrays = [w.data if isinstance(w, QuantWeight) else w for w in resident]
     total, done = sum(a.nbytes for a in arrays), 0
     for a in arrays:
         fault_in(a)

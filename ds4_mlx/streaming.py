@@ -126,7 +126,8 @@ class ExpertCache:
 
     @classmethod
     def from_weights(cls, weights: dict, size: str, *, min_slots: int = 1) -> ExpertCache:
-        """The cache of the :class:`StreamedTensor` values in ``weights``, sized by ``size`` (:func:`parse_cache_size`)."""
+        """The cache of the :class:`StreamedTensor` values in ``weights``, sized by ``size``
+        (:func:`parse_cache_size`)."""
         layers: dict[int, dict[str, StreamedTensor]] = {}
         for name, w in weights.items():
             m = _ROUTED.fullmatch(name)
@@ -147,7 +148,8 @@ class ExpertCache:
         first = next(iter(experts.values()))
         for il, trio in experts.items():
             if [(t.qtype, t.shape) for t in trio] != [(t.qtype, t.shape) for t in first]:
-                raise ValueError(f"expert streaming: layer {il}'s experts differ in type or shape from the first layer's")
+                raise ValueError(f"expert streaming: layer {il}'s experts differ in type or shape from the first "
+                                 "layer's")
         self.n_expert = first[0].shape[0]
         self.unit_bytes = sum(t.expert_bytes for t in first)
         self.n_units = len(experts) * self.n_expert
@@ -203,9 +205,13 @@ class ExpertCache:
     def fetch(self, il: int, ids: np.ndarray) -> tuple[tuple[QuantWeight, ...], mx.array]:
         """Make the experts of ``ids`` (layer ``il``, any shape) resident -> ``((gate, up, down), slots)``: the
         three pools as ``[slots, out, in]`` weights and ``ids`` mapped to their slots (int32, same shape)."""
+        if self._pending:  # see reading
+            mx.eval(self._pending)
+            self._pending.clear()
         wanted = np.unique(ids)
         if len(wanted) > self.slots:
-            raise ValueError(f"expert streaming: a call needs {len(wanted)} experts at once, the cache holds {self.slots}")
+            raise ValueError(f"expert streaming: a call needs {len(wanted)} experts at once, the cache holds "
+                             f"{self.slots}")
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= self.n_expert):
             raise IndexError(f"expert streaming: expert id out of range [0, {self.n_expert}) in layer {il}")
         with self._lock:
@@ -232,22 +238,21 @@ class ExpertCache:
                 self._load(il, missing, [slot_of[e] for e in missing])
         table = np.zeros(self.n_expert, np.int32)
         table[wanted] = [slot_of[e] for e in wanted.tolist()]
-        weights = tuple(QuantWeight(pool, t.qtype, (self.slots, *t.shape[1:])) for pool, t in zip(self.pools, self.templates))
+        weights = tuple(QuantWeight(pool, t.qtype, (self.slots, *t.shape[1:]))
+                        for pool, t in zip(self.pools, self.templates))
         return weights, mx.array(table[ids])
 
     def reading(self, out: mx.array) -> mx.array:
-        """``out``, computed from the pools: it is evaluated before a read lands in a slot in place (MLX does not
-        see those writes, so a lazy graph could read the slot after it changed)."""
-        if any(v is not None for v in self._views):
-            self._pending.append(out)
+        """``out``, computed from the pools: it is evaluated at the next fetch, before a read lands in a slot. A
+        hash layer's router does not wait for the layer before it, so that layer's output could still be lazy:
+        the CPU's reads in place (which MLX does not see) would change what it reads, and elsewhere a slice
+        update would copy the whole pool to keep the version it reads."""
+        self._pending.append(out)
         return out
 
     def _load(self, il: int, experts: list[int], slots: list[int]) -> None:
         """Read ``experts`` of layer ``il`` from the file into ``slots`` of the pools."""
         t0 = time.perf_counter()
-        if self._pending:
-            mx.eval(self._pending)
-            self._pending.clear()
         jobs = [(i, t, e, s) for i, t in enumerate(self.experts[il]) for e, s in zip(experts, slots)]
         for i, t, blob, slot in self._readers.map(lambda job: (*job[:2], self._read(*job), job[3]), jobs):
             if blob is not None:  # a slice update a slot, in place: the pools' buffers are their only references

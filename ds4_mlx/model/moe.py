@@ -187,5 +187,6 @@ class MoE:
         for group in self.streamed.groups(ids):
             pairs = np.flatnonzero(np.isin(flat, group))
             weights, slots = self.streamed.fetch(self.il, flat[pairs])
-            y[pairs] = np.array(self._routed_host(weights, n[mx.array(pairs // k)], slots[:, None], rw[mx.array(pairs)]))
+            x, pw = n[mx.array(pairs // k)], rw[mx.array(pairs)]  # the pairs' tokens and route weights
+            y[pairs] = np.array(self._routed_host(weights, x, slots[:, None], pw))
         return mx.array(y.reshape(T, k, -1).sum(axis=1))
