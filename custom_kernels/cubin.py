@@ -24,14 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
-import numpy as np
 
-#: CUDA parameter type of each input/output dtype (MLX-CUDA's names).
-CUDA_TYPES = {
-    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
-    mx.uint32: "uint32_t", mx.int16: "int16_t", mx.uint16: "uint16_t", mx.int8: "int8_t", mx.uint8: "uint8_t",
-    mx.int64: "int64_t", mx.uint64: "uint64_t", mx.bool_: "bool",
-}  # fmt: skip
+from .entry import checked_inputs, constants, parameters
 
 #: What each unit starts with. NVRTC has no C library headers: the fixed-width integers and INFINITY are defined
 #: as libcu++ defines them under NVRTC; the half types and wmma come from the CUDA headers MLX compiles against.
@@ -179,12 +173,6 @@ def cached_cubin(text: str, folder: Path) -> bytes:
     return cubin
 
 
-def _constant(name: str, value) -> str:
-    if isinstance(value, (bool, np.bool_)):
-        return f"constexpr bool {name} = {'true' if value else 'false'};\n"
-    return f"constexpr int {name} = {int(value)};\n"
-
-
 class CubinKernel:
     """A callable like ``mx.fast.cuda_kernel``'s result whose specializations are cached cubins."""
 
@@ -198,10 +186,8 @@ class CubinKernel:
 
     def render(self, in_dtypes, out_dtypes, template) -> tuple[str, str]:
         """(entry point name, translation unit) of one specialization."""
-        consts = "".join(_constant(k, v) for k, v in template)
-        params = [f"const {CUDA_TYPES[d]}* {n}" for n, d in zip(self.input_names, in_dtypes)]
-        params += [f"{CUDA_TYPES[d]}* {n}" for n, d in zip(self.output_names, out_dtypes)]
-        body = f"({', '.join(params)}) {{\n{consts}{self.source}\n}}\n"
+        params = parameters(self.input_names, self.output_names, in_dtypes, out_dtypes)
+        body = f"({params}) {{\n{constants(template)}{self.source}\n}}\n"
         entry = f"{self.name}_{hashlib.sha256((self.header + body).encode()).hexdigest()[:16]}"
         return entry, f'{PROLOGUE}{self.header}\nextern "C" __global__ void {entry}{body}'
 
@@ -227,10 +213,7 @@ class CubinKernel:
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=(), init_value=None,
                  verbose=False, stream=None) -> list[mx.array]:  # fmt: skip
-        if len(inputs) != len(self.input_names) or len(output_shapes) != len(self.output_names):
-            raise ValueError(f"{self.name}: expected {len(self.input_names)} inputs and "
-                             f"{len(self.output_names)} outputs")  # fmt: skip
-        inputs = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
+        inputs = checked_inputs(self.name, self.input_names, self.output_names, inputs, output_shapes)
         built = self.specialization([a.dtype for a in inputs], list(output_dtypes), template)
         if built is None:
             self._jit = self._jit or self._make_jit()

@@ -20,14 +20,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .entry import C_TYPES, checked_inputs, constants, parameters
+
 SIM_HEADER = Path(__file__).resolve().parent / "sim.h"
 
-#: C++ parameter type of each input/output dtype (MLX-CUDA's names; sim.h defines the half types).
-C_TYPES = {
-    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
-    mx.uint32: "uint32_t", mx.int16: "int16_t", mx.uint16: "uint16_t", mx.int8: "int8_t", mx.uint8: "uint8_t",
-    mx.int64: "int64_t", mx.uint64: "uint64_t", mx.bool_: "bool",
-}  # fmt: skip
 #: numpy stand-ins for the buffers (bfloat16 travels as its bits).
 NP_TYPES = {
     mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.int32: np.int32,
@@ -72,14 +68,6 @@ def _library(text: str) -> ctypes.CDLL:
     return lib
 
 
-def _constant(name: str, value) -> str:
-    if isinstance(value, (bool, np.bool_)):
-        return f"constexpr bool {name} = {'true' if value else 'false'};\n"
-    if isinstance(value, (int, np.integer)):
-        return f"constexpr int {name} = {int(value)};\n"
-    raise TypeError(f"sim kernels take int/bool template values, got {name}={value!r}")
-
-
 class SimKernel:
     """A callable like ``mx.fast.cuda_kernel``'s result, running ``source`` on the CPU."""
 
@@ -89,14 +77,12 @@ class SimKernel:
 
     def render(self, in_dtypes, out_dtypes, template) -> str:
         """The translation unit of one specialization: sim.h, the header, the kernel and its C entry point."""
-        params = [f"const {C_TYPES[d]}* {n}" for n, d in zip(self.input_names, in_dtypes)]
-        params += [f"{C_TYPES[d]}* {n}" for n, d in zip(self.output_names, out_dtypes)]
+        params = parameters(self.input_names, self.output_names, in_dtypes, out_dtypes)
         args = [f"({'const ' if i < len(in_dtypes) else ''}{C_TYPES[d]}*)b[{i}]"
                 for i, d in enumerate(list(in_dtypes) + list(out_dtypes))]  # fmt: skip
-        consts = "".join(_constant(k, v) for k, v in template)
         return (
             f'#include "{SIM_HEADER}"\n{self.header}\n'
-            f"static void {self.name}({', '.join(params)}) {{\n{consts}{self.source}\n}}\n"
+            f"static void {self.name}({params}) {{\n{constants(template)}{self.source}\n}}\n"
             f'extern "C" const char* ds_sim_launch(void** b, const unsigned* d) {{\n'
             f"  return ds_sim::launch(uint3{{d[0], d[1], d[2]}}, uint3{{d[3], d[4], d[5]}},\n"
             f"                        [b] {{ {self.name}({', '.join(args)}); }});\n}}\n"
@@ -104,10 +90,7 @@ class SimKernel:
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=(), init_value=None,
                  verbose=False, stream=None) -> list[mx.array]:  # fmt: skip
-        if len(inputs) != len(self.input_names) or len(output_shapes) != len(self.output_names):
-            raise ValueError(f"{self.name}: expected {len(self.input_names)} inputs and "
-                             f"{len(self.output_names)} outputs")  # fmt: skip
-        inputs = [a if isinstance(a, mx.array) else mx.array(a) for a in inputs]
+        inputs = checked_inputs(self.name, self.input_names, self.output_names, inputs, output_shapes)
         mx.eval(inputs)
         ins = [np.ascontiguousarray(np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)) for a in inputs]
         outs = []

@@ -201,9 +201,8 @@ def bench(
         fail(str(e))
     result.params, result.load_s = params, load_s
     if m.expert_cache is not None:
-        st = result.params["experts"] = m.expert_cache.stats()
-        err.print(f"streamed experts: cache {st['slots']} of {st['experts_total']} ({_fmt_bytes(st['cap_bytes'])}), "
-                  f"hit rate {st['hit_rate']}, {_fmt_bytes(st['bytes_read'])} read in {st['read_s']} s")
+        result.params["experts"] = m.expert_cache.stats()
+        err.print(m.expert_cache.describe())
 
     summary = Table(title="ds4-mlx bench", title_justify="left", caption=sline, caption_justify="left")
     for col in ("ctx", "prefill", "prefill t/s", "gen", "gen t/s", "kv bytes", "peak mem"):

@@ -421,9 +421,7 @@ def generate(
         _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=_Printer())
     Console(stderr=True).print(stats_text(last), highlight=False)
     if m.expert_cache is not None:
-        st = m.expert_cache.stats()
-        say(f"streamed experts: {st['hits']} hits, {st['misses']} misses (hit rate {st['hit_rate']}), "
-            f"{st['bytes_read'] / 2**30:.2f} GiB read in {st['read_s']} s, cache {st['cap_bytes'] / 2**30:.2f} GiB")
+        say(m.expert_cache.describe())
 
 
 def _dump_tokens(path: Path, prompt: str) -> None:

@@ -65,14 +65,6 @@ class StreamedTensor:
         """One expert's matrix in the file."""
         return math.prod(self.storage_shape) * np.dtype(storage_dtypes(self.qtype)[0]).itemsize
 
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[-2]
-
 
 def storage_dtypes(qtype: QT) -> tuple[type, mx.Dtype]:
     """How a matrix of ``qtype`` is stored: (numpy dtype of the file's bytes, MLX dtype); block types as uint8."""
@@ -184,6 +176,13 @@ class ExpertCache:
                 "calls": self.calls, "hits": self.hits, "misses": self.misses,
                 "hit_rate": round(self.hits / asked, 4) if asked else None, "bytes_read": self.bytes_read,
                 "read_s": round(self.read_seconds, 3)}  # fmt: skip
+
+    def describe(self) -> str:
+        """The counters in one line (what ``generate`` and ``bench`` print at the end)."""
+        st = self.stats()
+        return (f"streamed experts: cache {st['slots']} of {st['experts_total']} ({st['cap_bytes'] / 2**30:.2f} GiB), "
+                f"{st['hits']} hits, {st['misses']} misses (hit rate {st['hit_rate']}), "
+                f"{st['bytes_read'] / 2**30:.2f} GiB read in {st['read_s']} s")
 
     def spans(self, ids: np.ndarray) -> list[tuple[int, int]]:
         """Token ranges ``[t0, t1)`` of ``ids [T, k]`` whose distinct experts each fit in the cache."""
