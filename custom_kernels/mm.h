@@ -102,17 +102,18 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
     const float d = DS_F16_BITS(r.s0);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      out[2 * i] = d * float((int8_t)(r.w[i] & 255u));
-      out[2 * i + 1] = d * float((int8_t)(r.w[i] >> 8));
+      const uint32_t wx = r.w[i] ^ 0x8080u;
+      out[2 * i] = d * ds_s8x_f(wx, 0);
+      out[2 * i + 1] = d * ds_s8x_f(wx, 1);
     }
   } else if (qt == DS_Q2_K) {
     const uint32_t sh = 2u * ((u & 7u) & 3u), sc = r.s1;
     const float dl = DS_F16_BITS(r.s0 & 0xffffu) * float(sc & 15u), ml = DS_F16_BITS(r.s0 >> 16) * float(sc >> 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t w = r.w[i] >> sh;
+      const uint32_t w = (r.w[i] >> sh) & 0x03030303u;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) out[4 * i + j] = dl * float((w >> (8 * j)) & 3u) - ml;
+      for (int j = 0; j < 4; ++j) out[4 * i + j] = DS_FMA(dl, ds_byte_f(w, j), -ml);
     }
   } else if (qt == DS_Q4_K) {  // the 6-bit (scale, min) of sub-block j, as ds_q4k_scale_min takes them
     const uint32_t j = u & 7u, sh = 4u * (j & 1u);
@@ -127,13 +128,14 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
     const float dl = DS_F16_BITS(r.s0 & 0xffffu) * sc, ml = DS_F16_BITS(r.s0 >> 16) * m;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t w = r.w[i] >> sh;
+      const uint32_t w = (r.w[i] >> sh) & 0x0F0F0F0Fu;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) out[4 * i + k] = dl * float((w >> (8 * k)) & 15u) - ml;
+      for (int k = 0; k < 4; ++k) out[4 * i + k] = DS_FMA(dl, ds_byte_f(w, k), -ml);
     }
   } else if (qt == DS_IQ2_XXS) {
     const uint32_t A = r.w[0], B = r.w[1];
-    const float dl = DS_F16_BITS(r.s0) * (0.5f + float(B >> 28)) * 0.25f;
+    const float dl = DS_F16_BITS(r.s0) * (0.5f + ds_u2f(B >> 28)) * 0.25f;
+    const float bias = -8388608.0f * dl;  // (2^23 + g)·dl − 2^23·dl = g·dl, rounded once by the FMA
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
       const uint32_t k = 2 * hf + kk;
@@ -142,8 +144,8 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
       const uint32_t lo = ds_iq2_grid[2 * gi], hi = ds_iq2_grid[2 * gi + 1];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float v = dl * float(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 255u);
-        out[8 * kk + j] = (sg >> j) & 1u ? -v : v;
+        const float v = DS_FMA(DS_U32_AS_F(DS_BYTE_BITS(j < 4 ? lo : hi, j & 3)), dl, bias);
+        out[8 * kk + j] = DS_U32_AS_F(DS_F_AS_U32(v) ^ ((sg << (31 - j)) & 0x80000000u));  // the sign bit
       }
     }
   } else if (qt == DS_F16 || qt == DS_BF16) {
@@ -157,6 +159,36 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
     const DS_DEV float* b = (const DS_DEV float*)(r.p + 128u * u + 64u * hf);
 #pragma unroll
     for (int i = 0; i < 16; ++i) out[i] = b[i];
+  }
+}
+
+// IQ2_XXS in the tiles: the grid and each sign index's eight sign bits (as f32 sign bits) copied once into
+// threadgroup memory by ds_iq2_tables, so a tile's decode reads them there instead of through the device-memory
+// load queue, and applies a sign with one XOR.
+#define DS_IQ2_GRID_WORDS_N 512
+#define DS_IQ2_SIGN_WORDS_N 1024
+DS_FN void ds_iq2_tables(DS_TG uint32_t* grid, DS_TG uint32_t* sgn, uint32_t tid, uint32_t n_threads) {
+  for (uint32_t i = tid; i < DS_IQ2_GRID_WORDS_N; i += n_threads) grid[i] = ds_iq2_grid[i];
+  for (uint32_t i = tid; i < DS_IQ2_SIGN_WORDS_N; i += n_threads) sgn[i] = ((ds_iq2_signs(i / 8) >> (i % 8)) & 1u) << 31;
+}
+// ds_raw16_decode's IQ2_XXS values, bit for bit, from those tables.
+DS_FN void ds_iq2_decode16(DS_THR const ds_raw16& r, uint32_t hf, const DS_TG uint32_t* grid,
+                           const DS_TG uint32_t* sgn, DS_THR float* out) {
+  const uint32_t A = r.w[0], B = r.w[1];
+  const float dl = DS_F16_BITS(r.s0) * (0.5f + ds_u2f(B >> 28)) * 0.25f;
+  const float bias = -8388608.0f * dl;
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const uint32_t k = 2 * hf + kk;
+    const uint32_t gi = (A >> (8 * k)) & 255u, s = (B >> (7 * k)) & 127u;
+    const uint2 g = ((const DS_TG uint2*)grid)[gi];
+    const uint4 m0 = ((const DS_TG uint4*)sgn)[2 * s], m1 = ((const DS_TG uint4*)sgn)[2 * s + 1];
+    const uint32_t m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float v = DS_FMA(DS_U32_AS_F(DS_BYTE_BITS(j < 4 ? g.x : g.y, j & 3)), dl, bias);
+      out[8 * kk + j] = DS_U32_AS_F(DS_F_AS_U32(v) ^ m[j]);
+    }
   }
 }
 

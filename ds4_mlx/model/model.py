@@ -170,8 +170,8 @@ class Model:
             self.output_norm = weights["output_norm.weight"]  # [E]
             self.output = weights["output.weight"]  # [V, E] Q8_0 (not tied to the embedding)
         self.expert_cache = None  # where the routed experts stream from (stream_experts), if they do
-        # Evaluate the state after every layer when a call has at least this many tokens: bounds the
-        # memory of long prefill chunks; single-token decode stays one lazy graph.
+        # Evaluate the state layer by layer (two at most in flight) when a call has at least this many tokens:
+        # bounds the memory of long prefill chunks; single-token decode stays one lazy graph.
         self.eval_layers_from = 64
         self.set_compile_decode(COMPILE_DECODE)
         f32_bytes = 4 * sum(math.prod(w.shape) for w in weights.values() if isinstance(w, QuantWeight))
@@ -268,10 +268,16 @@ class Model:
                        should_stop: Callable[[], bool] | None = None) -> mx.array:  # fmt: skip
         """Several tokens' state ``S [T, n_hc, E]`` through this model's layers (``should_stop`` as in
         :meth:`__call__`)."""
+        before = None  # the layer before's output, queued
         for layer, cache in zip(self.layers, caches, strict=True):
             S = layer(S, tokens, pos, cache)
             if tokens.shape[0] >= self.eval_layers_from or should_stop is not None:
-                mx.eval(S)
+                # Queue this layer and wait for the one before: the host builds a layer's graph while the
+                # device runs the previous one, and no more than two layers' buffers are ever live.
+                mx.async_eval(S)
+                if before is not None:
+                    mx.eval(before)
+                before = S
             if should_stop is not None and should_stop():
                 raise PrefillCancelled(f"prefill stopped after layer {layer.il} of {self.cfg.n_layer}")
         return S
