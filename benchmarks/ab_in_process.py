@@ -1,6 +1,7 @@
-"""Two versions of the package in one process, their decode loops timed round by round.
+"""Two versions of the package in one process, their decode loops (or prefills) timed round by round.
 
     python benchmarks/ab_in_process.py OTHER [--shape narrow|full|tiny] [--rounds 8] [--decode 48] [--json F]
+    python benchmarks/ab_in_process.py OTHER --shape full --measure prefill --prefill 2048 --rounds 6
 
 ``OTHER`` is a folder with another version's ``ds4_mlx/`` and ``custom_kernels/`` (e.g. ``git archive REV
 ds4_mlx custom_kernels | tar -x -C OTHER``). A copy of it is imported as ``ds4_mlx_ab``, every ``ds4_mlx`` in its
@@ -14,6 +15,9 @@ the cores (benchmarks/RESULTS.md, Method), more than most changes are worth.
 Rounds that alternate in one process compare under the same drift. The ``narrow`` shape (the full 43-layer
 pattern at the tiny widths) gives the host a full step's work and the device almost none, so it compares host
 costs only; ``full`` compares whole steps, the device's part included.
+
+``--measure prefill`` times instead a fresh session's prefill of ``--prefill`` tokens each round (the same
+prompt for both versions), through the package's own ``Session.prefill``.
 
 Reported: each round's ms/token per version, the mean of each, and the paired ratios (this / other) of the
 rounds, with how many favour this tree.
@@ -33,6 +37,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,9 +76,18 @@ def version(pkg: str, cfg, weights: dict, prefill: int, reserve: int, seed: int 
     prompt = [0] + np.random.default_rng(seed).integers(2, cfg.n_vocab, prefill - 1).tolist()
     sess = mod["session"].Session(model, reserve=reserve)
     sess.prefill(prompt)
-    v = SimpleNamespace(name=pkg, sess=sess, mod=mod, ms=[])
+    v = SimpleNamespace(name=pkg, sess=sess, mod=mod, model=model, prompt=prompt, ms=[])
     run(v, max(cfg.compress_ratios) + 1)  # warm-up: every kind of step, JIT included
     return v
+
+
+def run_prefill(v: SimpleNamespace) -> float:
+    """ms/token of a fresh session's prefill of the version's prompt."""
+    sess = v.mod["session"].Session(v.model, reserve=len(v.prompt) + 1)
+    t0 = time.perf_counter()
+    sess.prefill(v.prompt)
+    mx.synchronize()
+    return (time.perf_counter() - t0) / len(v.prompt) * 1e3
 
 
 def run(v: SimpleNamespace, n: int) -> float:
@@ -93,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefill", type=int, default=1024)
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--measure", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--seconds", type=float, default=None, help="start no round after this long (set-up excluded)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -113,12 +128,12 @@ def main(argv: list[str] | None = None) -> dict:
             if args.seconds and time.perf_counter() - t_start > args.seconds:
                 break
             for v in (this, other) if rnd % 2 == 0 else (other, this):
-                v.ms.append(round(run(v, args.decode), 3))
-            print(f"round {rnd}: this {this.ms[-1]:7.2f}  other {other.ms[-1]:7.2f} ms/token", flush=True)
+                v.ms.append(round(run_prefill(v) if args.measure == "prefill" else run(v, args.decode), 4))
+            print(f"round {rnd}: this {this.ms[-1]:8.3f}  other {other.ms[-1]:8.3f} ms/token", flush=True)
             res = summary(this.ms, other.ms)
             if args.json:  # every round: a crash or a device call's time limit loses nothing
                 args.json.write_text(json.dumps(res, indent=1))
-        print(f"this {res['this_mean']:.2f} ms/token, other {res['other_mean']:.2f}; median ratio "
+        print(f"this {res['this_mean']:.3f} ms/token, other {res['other_mean']:.3f}; median ratio "
               f"{res['median_ratio']:.3f}, this faster in {res['rounds_this_faster']} of {len(this.ms)} rounds",
               flush=True)
     return res

@@ -162,36 +162,6 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
   }
 }
 
-// IQ2_XXS in the tiles: the grid and each sign index's eight sign bits (as f32 sign bits) copied once into
-// threadgroup memory by ds_iq2_tables, so a tile's decode reads them there instead of through the device-memory
-// load queue, and applies a sign with one XOR.
-#define DS_IQ2_GRID_WORDS_N 512
-#define DS_IQ2_SIGN_WORDS_N 1024
-DS_FN void ds_iq2_tables(DS_TG uint32_t* grid, DS_TG uint32_t* sgn, uint32_t tid, uint32_t n_threads) {
-  for (uint32_t i = tid; i < DS_IQ2_GRID_WORDS_N; i += n_threads) grid[i] = ds_iq2_grid[i];
-  for (uint32_t i = tid; i < DS_IQ2_SIGN_WORDS_N; i += n_threads) sgn[i] = ((ds_iq2_signs(i / 8) >> (i % 8)) & 1u) << 31;
-}
-// ds_raw16_decode's IQ2_XXS values, bit for bit, from those tables.
-DS_FN void ds_iq2_decode16(DS_THR const ds_raw16& r, uint32_t hf, const DS_TG uint32_t* grid,
-                           const DS_TG uint32_t* sgn, DS_THR float* out) {
-  const uint32_t A = r.w[0], B = r.w[1];
-  const float dl = DS_F16_BITS(r.s0) * (0.5f + ds_u2f(B >> 28)) * 0.25f;
-  const float bias = -8388608.0f * dl;
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    const uint32_t k = 2 * hf + kk;
-    const uint32_t gi = (A >> (8 * k)) & 255u, s = (B >> (7 * k)) & 127u;
-    const uint2 g = ((const DS_TG uint2*)grid)[gi];
-    const uint4 m0 = ((const DS_TG uint4*)sgn)[2 * s], m1 = ((const DS_TG uint4*)sgn)[2 * s + 1];
-    const uint32_t m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float v = DS_FMA(DS_U32_AS_F(DS_BYTE_BITS(j < 4 ? g.x : g.y, j & 3)), dl, bias);
-      out[8 * kk + j] = DS_U32_AS_F(DS_F_AS_U32(v) ^ m[j]);
-    }
-  }
-}
-
 // Dequantize 16 weights: half `hf` (0/1) of unit u of `row`, exact f32 values (docs/quants.md §1.7).
 DS_FN void ds_deq16(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf, DS_THR float* out) {
   const ds_raw16 r = ds_raw16_load(qt, row, u, hf);
