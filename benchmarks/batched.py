@@ -110,19 +110,23 @@ def main() -> None:
     ap.add_argument("--ttft-prompt", type=int, default=8192, help="tokens of the new prompt (0: no TTFT run)")
     ap.add_argument("--ttft-decoders", type=int, default=3, help="sessions decoding during the new prefill")
     ap.add_argument("--quantum", type=int, default=128, help="prefill tokens between two decode steps")
+    ap.add_argument("--sweeps", type=int, default=1,
+                    help="run the B sweep this many times and keep the last (first uses of kernels and traces "
+                         "land in the first)")  # fmt: skip
     ap.add_argument("--csv", type=Path, help="write the tables here too")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    if not batches or min(batches) < 1 or min(args.ctx, args.steps, args.quantum) < 1:
-        ap.error("--batches, --ctx, --steps and --quantum must be positive")
+    if not batches or min(batches) < 1 or min(args.ctx, args.steps, args.quantum, args.sweeps) < 1:
+        ap.error("--batches, --ctx, --steps, --quantum and --sweeps must be positive")
 
     model, _ = load(args.model) if args.model else random_model(args.shape, layers=args.layers)
-    rows = decode_rates(model, args.ctx, batches, args.steps, args.chunk)
-    print(f"decode at {args.ctx} tokens of context, {args.steps} steps")
-    print(f"{'B':>3} {'aggregate tok/s':>16} {'x B=1':>7} {'per session tok/s':>18} {'share of B=1':>13}")
-    for r in rows:
-        print(f"{r['batch']:>3} {r['aggregate_tps']:>16.2f} {r['aggregate_x'] or 0:>7.2f} {r['session_tps']:>18.2f} "
-              f"{r['session_share'] or 0:>13.2f}")
+    for sweep in range(args.sweeps):
+        rows = decode_rates(model, args.ctx, batches, args.steps, args.chunk)
+        print(f"sweep {sweep + 1} of {args.sweeps}: decode at {args.ctx} tokens of context, {args.steps} steps")
+        print(f"{'B':>3} {'aggregate tok/s':>16} {'x B=1':>7} {'per session tok/s':>18} {'share of B=1':>13}")
+        for r in rows:
+            print(f"{r['batch']:>3} {r['aggregate_tps']:>16.2f} {r['aggregate_x'] or 0:>7.2f} "
+                  f"{r['session_tps']:>18.2f} {r['session_share'] or 0:>13.2f}", flush=True)
     ttft = None
     if args.ttft_prompt:
         ttft = ttft_under_load(model, args.ctx, args.ttft_prompt, args.ttft_decoders, args.quantum, args.chunk)
