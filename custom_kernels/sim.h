@@ -45,6 +45,7 @@ struct __half {  // converts from and to float like cuda_fp16.h's (round to near
 inline float __half2float(__half h) { return (float)h; }
 inline __half __float2half_rn(float f) { return __half(f); }
 inline __half __ushort_as_half(unsigned short u) { __half h; h.bits = u; return h; }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 
 inline uint16_t ds_sim_bf16_bits(float f) {  // round to nearest even; NaN stays a (quiet) NaN
   const uint32_t u = ds_sim_bits<uint32_t>(f);
