@@ -1,4 +1,4 @@
-"""Kernel benchmark at real V4 Flash shapes (docs/quants.md §5.4): decode matvec, 6-expert gathered matvec, prefill.
+"""Kernel benchmark at real V4 Flash shapes (docs/quants.md §5.4): decode matvec, 6-expert gathered matvec, dense prefill.
 
 Run on a GPU backend (``python benchmarks/kernel_speed.py [--quick] [--json out.json]``). Random valid quant bytes
 are built on the device. Every timed loop rotates over weight copies or fresh expert ids so the 60 MB L2 of
@@ -217,7 +217,7 @@ def bench_moe_epilogues(E: int = 256, F: int = 2048, D: int = 4096, k: int = 6, 
                speedup=t_old / t_new)
 
 
-# --- prefill: dense tiled matmul and expert-gathered mm_id --------------------------------------------------
+# --- prefill: a dense product of 512 tokens (the weight decoded, then MLX's matmul) --------------------------
 
 
 def bf16_rate(M: int, o: int, i: int) -> float:
@@ -232,7 +232,7 @@ def bench_dense_prefill(qt: QT, o: int, i: int, M: int):
     ws = [QuantWeight(device_blocks(qt, (o, i)), qt, (o, i)) for _ in range(copies(nb))]
     x = mx.random.normal((M, i))
     n = 2 * len(ws)
-    t = timeit(lambda j: K.mm_dense(ws[j % len(ws)], x, BACKEND), n)
+    t = timeit(lambda j: K.dense_matmul(ws[j % len(ws)], x, BACKEND), n)
     fl = 2 * M * o * i
     rate_bf16 = bf16_rate(M, o, i)
     q4 = [affine((o, i), 4, 64) for _ in range(copies(o * i // 2))]
@@ -246,32 +246,6 @@ def bench_dense_prefill(qt: QT, o: int, i: int, M: int):
         ratios["vs_q8repack"] = ta / t
     report("prefill", qt.name, (M, o, i), "ds4 mm", t, flops=fl, pct_bf16=100 * fl / t / rate_bf16,
            bf16_TFLOPs=rate_bf16 / 1e12, **ratios)
-
-
-def bench_gather_prefill(qt: QT, E: int, o: int, i: int, M: int, k: int = 6, bn: int | None = None):
-    w = QuantWeight(device_blocks(qt, (E, o, i)), qt, (E, o, i))
-    rng = np.random.default_rng(1)
-    n = 8
-    id_sets = [mx.array(np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.int32)) for _ in range(n)]
-    x = mx.random.normal((M, i))
-    bn = bn or K.MM_BN_GATHER
-    t = timeit(lambda j: K.mm_gather(w, x, id_sets[j].reshape(-1), k, BACKEND, bn=bn), n, warm=2)
-    fl = 2 * M * k * o * i
-    rate_bf16 = bf16_rate(M * k, o, i)
-    # MLX baseline as mlx-lm's SwitchGLU runs it: sort pairs by expert, gather_qmm(sorted_indices=True).
-    q4 = affine((E, o, i), 4, 64)
-
-    def mlx_q4(j):
-        flat = id_sets[j].reshape(-1)
-        order = mx.argsort(flat)
-        xs = x[order // k][:, None, :]
-        y = mx.gather_qmm(xs, *q4, rhs_indices=flat[order], transpose=True, group_size=64, bits=4, sorted_indices=True)
-        return y
-
-    t4 = timeit(mlx_q4, n, warm=2)
-    report("prefill-g", qt.name, (M, k, o, i), "mlx-q4 sorted", t4, flops=fl, pct_bf16=100 * fl / t4 / rate_bf16)
-    report("prefill-g", qt.name, (M, k, o, i), f"ds4 mm_id bn{bn}", t, flops=fl, pct_bf16=100 * fl / t / rate_bf16,
-           vs_q4=t4 / t, bf16_TFLOPs=rate_bf16 / 1e12)
 
 
 def main():
@@ -323,15 +297,9 @@ def main():
         if args.json:
             Path(args.json).write_text(json.dumps(dict(copy_TBps=COPY / 1e12, rows=ROWS), indent=1, default=str))
         return
-    # Prefill, 512 tokens.
+    # Dense prefill, 512 tokens (the routed experts' prefill launches: benchmarks/moe_prefill.py).
     for qt in (QT.Q8_0, QT.IQ2_XXS, QT.Q2_K, QT.Q4_K):
         bench_dense_prefill(qt, 2048, 4096, 512)
-    bench_gather_prefill(QT.IQ2_XXS, 256, 2048, 4096, 512)
-    bench_gather_prefill(QT.Q2_K, 256, 4096, 2048, 512)
-    bench_gather_prefill(QT.Q4_K, 256, 2048, 4096, 512)
-    if not args.quick:
-        bench_gather_prefill(QT.IQ2_XXS, 256, 2048, 4096, 512, bn=16)
-        bench_gather_prefill(QT.IQ2_XXS, 256, 2048, 4096, 2048)
 
     if args.json:
         Path(args.json).write_text(json.dumps(dict(copy_TBps=COPY / 1e12, rows=ROWS), indent=1, default=str))
@@ -347,11 +315,10 @@ def _smoke_setup():
     K.mv = lambda w, x, b, ids=None, k_slots=1: (
         w._fallback_matmul(x) if ids is None else
         w._fallback_gather_matmul(x, ids.reshape(-1, k_slots)).reshape(-1, w.shape[-2]))
-    K.mm_dense = lambda w, x, b, bn=64: w._fallback_matmul(x)
-    K.mm_gather = lambda w, x, flat, k, b, bn=32: w._fallback_gather_matmul(x, flat.reshape(-1, k)).reshape(-1, w.shape[-2])
+    K.dense_matmul = lambda w, x, b: w._fallback_matmul(x)
     shrink = {4096: 256, 2048: 256, 1024: 256, 8192: 512, 32768: 64, 129280: 96, 256 * 2048: 64, 256 * 4096: 64,
               256: 8, 512: 12}
-    for name in ("bench_dense_decode", "bench_gather_decode", "bench_dense_prefill", "bench_gather_prefill"):
+    for name in ("bench_dense_decode", "bench_gather_decode", "bench_dense_prefill"):
         f = globals()[name]
         globals()[name] = (lambda f: lambda qt, *a, **kw: f(qt, *[shrink.get(v, v) for v in a], **kw))(f)
     globals()["copy_rate"] = lambda: 1e9

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .cli_common import (ErrorLineGroup, SsdCacheOpt, SsdStreamingOpt, check_output_file, check_sampling,
-                         expert_cache_size, fail, follow, lead, pipeline_group, say)
+                         expert_cache_size, fail, follow, lead, parallel_group, say)
 from .distributed import PipelineFollower
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
 from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
@@ -193,8 +193,9 @@ ChunkOpt = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", help="Prompt tokens pe
 CacheLimitOpt = typer.Option(
     None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none).")
 ParallelOpt = typer.Option(
-    None, "--parallel", help="'pipeline': split the layers over the ranks started by mlx.launch; each reads only its "
-    "layers' tensors. Rank 0 tokenizes, samples and prints; the others follow.")
+    None, "--parallel", help="Over the ranks started by mlx.launch: 'pipeline' splits the layers (each rank reads "
+    "only its layers' tensors; rank 0 tokenizes, samples and prints, the others follow); 'expert' splits each "
+    "layer's routed experts by id (every rank runs the whole program in step; rank 0 prints).")
 LayersOpt = typer.Option(
     None, "--layers", help="With --parallel pipeline: each rank's layers, one A:B per rank, e.g. 0:20,20:43 "
     "(default: an even split).")
@@ -225,14 +226,15 @@ def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = N
     from .memory import set_memory_limits
 
     path = _model_path(model, demo)
-    group = pipeline_group(parallel, layers)
+    group = parallel_group(parallel, layers)
     quiet = group is not None and group.rank() > 0  # the other ranks follow quietly
     if not quiet:
-        say(f"loading {path}…" if group is None else f"loading {path}: pipeline of {group.size()} ranks…")
+        say(f"loading {path}…" if group is None else f"loading {path}: {parallel} parallel over {group.size()} ranks…")
     bar = _DelayedBar("loading", bytes_=True)
     progress = None if quiet else lambda stage, done, total: bar(done, total, stage)
     try:
-        m, tok = load(path, progress=progress, expert_cache=expert_cache, group=group, layers=layers)
+        m, tok = load(path, progress=progress, expert_cache=expert_cache, group=group, layers=layers,
+                      parallel=parallel or "pipeline")  # fmt: skip
         set_memory_limits(m.weights_bytes, cache_gb=cache_limit_gb)
         if m.expert_cache is not None:
             c = m.expert_cache
@@ -289,6 +291,16 @@ class _Printer:
         if not self.at_line_start:
             sys.stdout.write("\n")
         sys.stdout.flush()
+
+
+class _Quiet(_Printer):
+    """A printer that prints nothing (an expert-parallel rank after the first)."""
+
+    def write(self, text: str, reasoning: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _DelayedBar:
@@ -385,7 +397,7 @@ def generate(
     """Generate a continuation of one prompt, rendered as a DS4 chat turn (like `ds4 -p`).
 
     The text streams to stdout; prefill/decode speed and peak memory go to stderr at the end. Over several
-    machines: mlx.launch -n 2 --hostfile hosts.json -- ds4-mlx generate --parallel pipeline -m FILE -p ...
+    machines: mlx.launch -n 2 --hostfile hosts.json -- ds4-mlx generate --parallel pipeline|expert -m FILE -p ...
     """
     if (prompt is None) == (prompt_file is None):
         fail("give exactly one of -p/--prompt or --prompt-file")
@@ -418,7 +430,11 @@ def generate(
             return
         params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
         session = Session(m, chunk_size=prefill_chunk, reserve=min(ctx, len(ids) + n))
-        _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=_Printer())
+        rank = getattr(m, "rank", 0)  # expert parallel: every rank generates, rank 0 prints
+        printer = _Printer() if rank == 0 else _Quiet()
+        _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=printer)
+    if rank > 0:
+        return
     Console(stderr=True).print(stats_text(last), highlight=False)
     if m.expert_cache is not None:
         say(m.expert_cache.describe())

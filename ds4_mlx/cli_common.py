@@ -111,31 +111,33 @@ def expert_cache_size(ssd_streaming: bool, cache_experts: str | None) -> str | N
     return "50%" if ssd_streaming else None
 
 
-# ---- pipeline parallel (mlx.launch) ---------------------------------------------------------------------------
+# ---- model parallel (mlx.launch) ------------------------------------------------------------------------------
 
-LOST_RANK = 1  # exit status of a rank whose pipeline lost another rank
+LOST_RANK = 1  # exit status of a rank that lost another rank
+PARALLEL_MODES = ("pipeline", "expert")
 
 
-def pipeline_group(parallel: str | None, layers: str | None):
+def parallel_group(parallel: str | None, layers: str | None):
     """The ``mx.distributed`` group for ``--parallel`` (``None`` without it); bad flags fail. Under ``mlx.launch``
     the launcher's environment names the ranks; a process started alone is a group of one, which is refused."""
+    if layers is not None and parallel != "pipeline":
+        fail("--layers splits the model over the ranks of --parallel pipeline")
     if parallel is None:
-        if layers is not None:
-            fail("--layers splits the model over the ranks of --parallel pipeline")
         return None
-    if parallel != "pipeline":
-        fail(f"--parallel {parallel!r}: the available mode is 'pipeline'")
+    if parallel not in PARALLEL_MODES:
+        fail(f"--parallel {parallel!r}: the modes are {', '.join(map(repr, PARALLEL_MODES))}")
     import mlx.core as mx
 
     group = mx.distributed.init()
     if group.size() < 2:
-        fail("--parallel pipeline needs several ranks: start it with mlx.launch -n N [--hostfile FILE] -- ds4-mlx ...")
+        fail(f"--parallel {parallel} needs several ranks: start it with mlx.launch -n N [--hostfile FILE] -- "
+             "ds4-mlx ...")  # fmt: skip
     return group
 
 
 def lost_rank(rank: int, error: BaseException) -> NoReturn:
-    """Print why this rank's pipeline ended and exit with :data:`LOST_RANK`."""
-    stderr.print(f"[bold red]error:[/] pipeline rank {rank}: {escape(str(error))} (another rank exited or "
+    """Print why this rank's work ended and exit with :data:`LOST_RANK`."""
+    stderr.print(f"[bold red]error:[/] rank {rank}: {escape(str(error))} (another rank exited or "
                  "disconnected)")
     sys.stderr.flush()
     sys.stdout.flush()
@@ -160,8 +162,9 @@ def lost_peer(error: BaseException) -> bool:
 
 
 class lead:
-    """Rank 0's pipeline (or a one-process model, for which it does nothing) around a command's work: closes the
-    pipeline at the end, whatever ends it, and turns a lost rank into :func:`lost_rank`."""
+    """A command's work on rank 0 of a pipeline, on any rank of an expert-parallel model, or in one process (where
+    it does nothing): closes a pipeline at the end, whatever ends it, and turns a lost rank into
+    :func:`lost_rank`."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -171,9 +174,9 @@ class lead:
 
     def __exit__(self, kind, error, tb) -> bool:
         close = getattr(self.model, "close", None)
-        if close is None:
-            return False
-        if error is not None and lost_peer(error):
-            lost_rank(0, error)
-        close()
+        distributed = close is not None or getattr(self.model, "group", None) is not None
+        if error is not None and distributed and lost_peer(error):
+            lost_rank(getattr(self.model, "rank", 0), error)
+        if close is not None:
+            close()
         return False

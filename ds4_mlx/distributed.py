@@ -1,5 +1,12 @@
-"""Pipeline parallel on ``mx.distributed``: each rank of a group (started by ``mlx.launch``) holds a contiguous
-range of layers and reads only their tensors from the model file.
+"""Model parallel on ``mx.distributed``, the ranks started by ``mlx.launch``: a layer pipeline, or the routed
+experts split by expert id (:func:`expert_range`).
+
+Expert parallel: every rank holds every layer but only its share of each layer's routed experts, and runs the
+whole program (tokenizer, sessions, sampling) in step with the others. A MoE adds its ranks' routed outputs with
+one ``all_sum`` (:meth:`~ds4_mlx.model.moe.MoE.shard_experts`); the sums are the same on every rank, so the ranks
+sample the same tokens. Rank 0 prints.
+
+Pipeline parallel: each rank holds a contiguous range of layers and reads only their tensors from the model file.
 
 Rank 0 holds the first layers and the embedding, and owns tokenization and sampling: its
 :class:`PipelineModel` takes the place of a :class:`~ds4_mlx.model.model.Model` (``Session``, ``generate`` and
@@ -44,6 +51,14 @@ class Op(IntEnum):
     REWIND = 5  # (src, point, dst): src rewound to the point
     FREE = 6  # (state,)
     STOP = 7  # rank 0 closes the pipeline
+
+
+def expert_range(n_expert: int, size: int, rank: int) -> range:
+    """The experts rank ``rank`` of ``size`` holds: an even split of ``n_expert`` (the later ranks take one more
+    when it does not divide). Raises ``ValueError`` for more ranks than experts."""
+    if size > n_expert:
+        raise ValueError(f"{size} ranks for {n_expert} experts: an expert-parallel rank needs at least one expert")
+    return range(n_expert * rank // size, n_expert * (rank + 1) // size)
 
 
 def split_layers(n_layer: int, size: int, spec: str | None = None) -> list[range]:

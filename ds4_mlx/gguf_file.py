@@ -153,14 +153,16 @@ def open_gguf(path: str | os.PathLike) -> GGUFModel:
 
 
 def load_weights(model: GGUFModel, progress: Callable[[int, int], None] | None = None, *,
-                 stream_experts: bool = False, keep: Callable[[str], bool] | None = None) -> dict[str, Any]:  # fmt: skip
+                 stream_experts: bool = False, keep: Callable[[str], bool] | None = None,
+                 experts: range | None = None) -> dict[str, Any]:  # fmt: skip
     """Turn the bound tensors into MLX values keyed by GGUF name.
 
     Matrices (ndim >= 2) become :class:`ds4_mlx.weights.QuantWeight`; 1-D F32 tensors and the hash
     routing tables become plain ``mx.array`` (float32 / int32). With ``stream_experts`` the routed experts stay in
     the file (:class:`ds4_mlx.streaming.StreamedTensor`). ``progress(bytes read, total)`` after each tensor (each
     is copied out of the file's memory map, so this is the file's read). ``keep(name)``: only the tensors it
-    accepts are read (a pipeline stage's), the others stay in the file untouched.
+    accepts are read (a pipeline stage's), the others stay in the file untouched. ``experts``: of the routed
+    experts' tensors only these experts are read (an expert-parallel rank's share).
     """
     import mlx.core as mx
 
@@ -170,18 +172,25 @@ def load_weights(model: GGUFModel, progress: Callable[[int, int], None] | None =
     out: dict[str, Any] = {}
     tensors = {n: t for n, t in model.tensors.items() if keep is None or keep(n)}
     streamed = {n for n in tensors if stream_experts and is_routed_expert(n)}
-    total, done = sum(t.nbytes for n, t in tensors.items() if n not in streamed), 0
+
+    def data_shape(name: str, t: Any) -> tuple[np.ndarray, tuple[int, ...]]:  # what is read of t, and its shape
+        if experts is None or not is_routed_expert(name):
+            return t.data, tuple(t.shape)
+        return t.data[experts.start : experts.stop], (len(experts), *t.shape[1:])
+
+    total, done = sum(data_shape(n, t)[0].nbytes for n, t in tensors.items() if n not in streamed), 0
     for name, t in tensors.items():
         if name in streamed:
             out[name] = StreamedTensor(name, t.qtype, t.shape, model.path, t.offset)
             continue
+        data, shape = data_shape(name, t)
         if name.endswith("ffn_gate_tid2eid.weight"):
-            out[name] = mx.array(np.asarray(t.data, dtype=np.int32))
-        elif len(t.shape) == 1:
-            out[name] = mx.array(np.asarray(t.data, dtype=np.float32))
+            out[name] = mx.array(np.asarray(data, dtype=np.int32))
+        elif len(shape) == 1:
+            out[name] = mx.array(np.asarray(data, dtype=np.float32))
         else:
-            out[name] = QuantWeight.from_numpy(t.data, t.qtype, t.shape)
-        done += t.data.nbytes
+            out[name] = QuantWeight.from_numpy(data, t.qtype, shape)
+        done += data.nbytes
         if progress is not None:
             progress(min(done, total), total)
     return out

@@ -11,6 +11,7 @@ from typing import Any
 from .gguf_file import load_weights, open_gguf
 from .model.model import Model, stage_tensor
 from .numerics import Numerics
+from .streaming import is_routed_expert
 
 
 def load(
@@ -21,6 +22,7 @@ def load(
     expert_cache: str | None = None,
     group: Any = None,
     layers: str | None = None,
+    parallel: str = "pipeline",
 ) -> tuple[Any, Any]:
     """Load a DS4 GGUF or converted model directory -> ``(model, tokenizer)``; tokenizer is ``None`` when it
     can't be built.
@@ -37,13 +39,19 @@ def load(
     a layer pipeline (:mod:`ds4_mlx.distributed`). Each rank reads only its layers' tensors: ``layers`` gives
     every rank's range (``"0:2,2:6"``; default an even split). Rank 0 gets a
     :class:`~ds4_mlx.distributed.PipelineModel` and the tokenizer, the others a
-    :class:`~ds4_mlx.distributed.PipelineFollower` to ``run()`` and ``None``. A group of one rank loads as without.
+    :class:`~ds4_mlx.distributed.PipelineFollower` to ``run()`` and ``None``. With ``parallel="expert"`` every rank
+    reads every layer but only its share of the routed experts (:func:`~ds4_mlx.distributed.expert_range`) and gets
+    a model and the tokenizer, to run in step with the others. A group of one rank loads as without.
     """
-    pipeline = group is not None and group.size() > 1
-    if pipeline and expert_cache is not None:
-        raise ValueError("expert streaming is not available in a pipeline")
+    if parallel not in ("pipeline", "expert"):
+        raise ValueError(f"parallel={parallel!r}: the modes are 'pipeline' and 'expert'")
+    sharded = group is not None and group.size() > 1
+    pipeline, expert_parallel = sharded and parallel == "pipeline", sharded and parallel == "expert"
+    if sharded and expert_cache is not None:
+        raise ValueError(f"expert streaming is not available with {parallel} parallel")
     if layers is not None and not pipeline:
-        raise ValueError("--layers splits the model over the ranks of a pipeline; this is one rank")
+        raise ValueError("--layers splits the model over the ranks of a pipeline; "
+                         + (f"this is {parallel} parallel" if sharded else "this is one rank"))
     if Path(path).is_dir():
         if expert_cache is not None:
             raise ValueError(f"{path}: expert streaming reads a GGUF file, not a converted directory")
@@ -52,12 +60,16 @@ def load(
         config, weights, tokenizer_data = open_mlx_dir(path)
         split, keep = _stage(config, group, layers) if pipeline else (None, None)
         weights = weights if keep is None else {n: w for n, w in weights.items() if keep(n)}
+        mine = _experts(config, group) if expert_parallel else None
+        if mine is not None:
+            weights = {n: _expert_rows(w, mine) if is_routed_expert(n) else w for n, w in weights.items()}
     else:
         gguf = open_gguf(path)
         read = None if progress is None else lambda done, total: progress("reading", done, total)
         config, tokenizer_data = gguf.config, gguf.tokenizer
         split, keep = _stage(config, group, layers) if pipeline else (None, None)
-        weights = load_weights(gguf, read, stream_experts=expert_cache is not None, keep=keep)
+        mine = _experts(config, group) if expert_parallel else None
+        weights = load_weights(gguf, read, stream_experts=expert_cache is not None, keep=keep, experts=mine)
         _to_device(weights, progress)
     if pipeline:
         from .distributed import PipelineFollower, PipelineModel
@@ -74,6 +86,8 @@ def load(
     model = Model(config, weights, numerics)
     if cache is not None:
         model.stream_experts(cache)
+    if mine is not None:
+        model.shard_experts(group, mine)
     return model, _tokenizer(tokenizer_data)
 
 
@@ -92,6 +106,20 @@ def _stage(config: Any, group: Any, layers: str | None) -> tuple[list[range], Ca
     split = split_layers(config.n_layer, group.size(), layers)
     mine = split[group.rank()]
     return split, lambda name: stage_tensor(name, mine, config.n_layer)
+
+
+def _experts(config: Any, group: Any) -> range:
+    """The routed experts this rank of an expert-parallel group holds."""
+    from .distributed import expert_range
+
+    return expert_range(config.n_expert, group.size(), group.rank())
+
+
+def _expert_rows(w: Any, experts: range) -> Any:
+    """A converted directory's routed-expert weight cut to ``experts`` (views of its rows)."""
+    from .weights import QuantWeight
+
+    return QuantWeight(w.data[experts.start : experts.stop], w.qtype, (len(experts), *w.shape[1:]))
 
 
 def _to_device(weights: dict[str, Any], progress: Callable[[str, int, int], None] | None) -> None:

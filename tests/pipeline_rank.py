@@ -1,7 +1,7 @@
-"""One rank of the pipeline tests (tests/test_distributed.py), started by ``mlx.launch``:
-``pipeline_rank.py MODEL.gguf LAYERS|- PROFILES OUT.npz`` (PROFILES: ``hf,ds4``). Rank 0 writes, for each profile, the full prefill's
-logits, a chunked prefill's and the decode steps' logits, a snapshot's replay and greedy generated ids;
-the other ranks follow."""
+"""One rank of the model-parallel tests (tests/test_distributed.py), started by ``mlx.launch``:
+``pipeline_rank.py MODEL.gguf LAYERS|- PROFILES OUT.npz [pipeline|expert]`` (PROFILES: ``hf,ds4``). Rank 0 writes,
+for each profile, the full prefill's logits, a chunked prefill's and the decode steps' logits, a snapshot's replay
+and greedy generated ids; in a pipeline the other ranks follow, with experts split every rank runs the same."""
 
 from __future__ import annotations
 
@@ -35,11 +35,15 @@ def run(model, tokenizer) -> dict[str, np.ndarray]:
     return {"full": full, "chunked": chunked, "steps": steps, "replay": replay, "ids": np.array(ids)}
 
 
-def main(path: str, layers: str, profiles: str, out: str) -> None:
+def main(path: str, layers: str, profiles: str, out: str, parallel: str = "pipeline") -> None:
     group = mx.distributed.init()
     results = {}
     for profile in profiles.split(","):
-        model, tokenizer = load(path, numerics=profile, group=group, layers=None if layers == "-" else layers)
+        model, tokenizer = load(path, numerics=profile, group=group, layers=None if layers == "-" else layers,
+                                parallel=parallel)  # fmt: skip
+        if parallel == "expert":
+            results.update({f"{profile}.{k}": v for k, v in run(model, tokenizer).items()})
+            continue
         if group.rank() > 0:
             model.run()
             continue

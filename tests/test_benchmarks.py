@@ -61,6 +61,11 @@ def test_ab_in_process_runs_both_versions(tmp_path):
     assert len(res["this"]) == len(res["other"]) == len(res["ratios"]) == 2 and min(res["this"] + res["other"]) > 0
     assert res["rounds_this_faster"] == sum(t < o for t, o in zip(res["this"], res["other"]))
     assert "round 1: this" in r.stdout
+    out = tmp_path / "ab_prefill.json"  # the prefill mode: a fresh session's prefill a round
+    run_script("ab_in_process", other, "--shape", "tiny", "--measure", "prefill", "--prefill", 9, "--rounds", 2,
+               "--json", out)  # fmt: skip
+    res = json.loads(out.read_text())
+    assert len(res["this"]) == len(res["other"]) == 2 and min(res["this"] + res["other"]) > 0
     r = run_script("ab_in_process", tmp_path / "nowhere", "--shape", "tiny", ok=False)
     assert "has no ds4_mlx/ folder" in r.stderr and "Traceback" not in r.stderr
 
@@ -201,7 +206,8 @@ def test_first_use_benchmark_times_every_stage(tmp_path):
     assert all(st["seconds"] > 0 for st in stages) and "total" in text
 
 
-@pytest.mark.parametrize("script", ["kernel_speed", "kvcache", "load", "prefill_precision", "prefill_profile"])
+@pytest.mark.parametrize("script", ["kernel_speed", "kvcache", "load", "moe_prefill", "prefill_precision",
+                                    "prefill_profile"])
 def test_scripts_parse_their_arguments(script):
     """The other scripts RESULTS.md runs at least import and parse ``--help`` (their runs need a GPU or minutes)."""
     assert "usage" in run_script(script, "--help").stdout.lower()
@@ -211,7 +217,8 @@ def test_batched_benchmark_reports_every_batch_and_the_ttft(tmp_path):
     """benchmarks/batched.py at the tiny shape: a row per B with its speed against B = 1, then the TTFT run."""
     out = tmp_path / "batched.csv"
     text = run_script("batched", "--ctx", 40, "--batches", "1,2", "--steps", 2, "--ttft-prompt", 24,
-                      "--ttft-decoders", 2, "--quantum", 8, "--csv", out).stdout
+                      "--ttft-decoders", 2, "--quantum", 8, "--sweeps", 2, "--csv", out).stdout
+    assert "sweep 1 of 2" in text and "sweep 2 of 2" in text  # the csv holds the last sweep
     decode, ttft = out.read_text().strip().split("\n\n")
     rows = list(csv.DictReader(decode.splitlines()))
     assert [r["batch"] for r in rows] == ["1", "2"] and rows[0]["aggregate_x"] == "1.0"

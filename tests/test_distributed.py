@@ -1,5 +1,6 @@
-"""Pipeline parallel (ds4_mlx.distributed) on localhost with MLX's ring backend: 2 ranks and 3 with an uneven split
-give the logits and greedy ids of one rank; a rank that dies ends the others with an error, not a hang."""
+"""Model parallel (ds4_mlx.distributed) on localhost with MLX's ring backend: a layer pipeline and the routed experts
+split by id, over 2 ranks and 3 with an uneven split, give the logits and greedy ids of one rank; a pipeline rank
+that dies ends the others with an error, not a hang."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4_mlx.distributed import split_layers
+from ds4_mlx.distributed import expert_range, split_layers
 from ds4_mlx.loader import load
 
 HERE = Path(__file__).parent
@@ -74,6 +75,54 @@ def test_pipeline_matches_one_rank(reference, tmp_path, ranks, layers, profiles)
         np.testing.assert_array_equal(got[f"{profile}.replay"], got[f"{profile}.steps"])
 
 
+@needs_launch
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_expert_parallel_matches_one_rank(reference, tmp_path, ranks):
+    """The routed experts split over 2 and 3 ranks (3 an uneven split): one rank's greedy ids, and its logits up
+    to the order of the sum over experts (the ranks' shares are added by one all_sum). That order alone moves the
+    `hf` profile's logits by ~1e-6; in the `ds4` profile it flips a last bit of some FP8/f16 cache roundings too,
+    ~2.4e-5 on this model, so that profile is held to 1e-4."""
+    path, ref = reference
+    out = tmp_path / "out.npz"
+    cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--python", sys.executable,
+           str(HERE / "pipeline_rank.py"), str(path), "-", "hf,ds4", str(out), "expert"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.exists(), proc.stdout + proc.stderr
+    got = dict(np.load(out))
+    assert sorted(got) == sorted(ref)
+    for key, want in ref.items():
+        if key.endswith(".ids"):
+            assert len(want) > 0 and got[key].tolist() == want.tolist(), key
+        else:
+            tol = TOL if key.startswith("hf.") else 1e-4
+            assert got[key].shape == want.shape and _rel(got[key], want) <= tol, key
+    for profile in ("hf", "ds4"):
+        np.testing.assert_array_equal(got[f"{profile}.replay"], got[f"{profile}.steps"])
+
+
+def test_each_expert_parallel_rank_reads_only_its_experts(tiny_gguf):
+    assert [expert_range(8, 3, r) for r in range(3)] == [range(0, 2), range(2, 5), range(5, 8)]
+    with pytest.raises(ValueError, match="9 ranks for 8 experts"):
+        expert_range(8, 9, 0)
+    path = tiny_gguf()
+    whole, _ = load(path)
+    ranks = [load(path, group=_Group(r, 3), parallel="expert")[0] for r in range(3)]
+    E = whole.cfg.n_expert
+    for r, m in enumerate(ranks):
+        mine = expert_range(E, 3, r)
+        for b, ref in zip(m.layers, whole.layers, strict=True):
+            assert b.ffn.expert_ids == mine and b.ffn.ffn_gate_exps.shape[0] == len(mine)
+            want = ref.ffn.ffn_down_exps.data[mine.start : mine.stop]
+            np.testing.assert_array_equal(np.array(b.ffn.ffn_down_exps.data), np.array(want))
+    routed = sum(w.data.nbytes for b in whole.layers
+                 for w in (b.ffn.ffn_gate_exps, b.ffn.ffn_up_exps, b.ffn.ffn_down_exps))  # fmt: skip
+    assert sum(m.weights_bytes for m in ranks) == 3 * whole.weights_bytes - 2 * routed  # the rest on every rank
+    with pytest.raises(ValueError, match="the modes are 'pipeline' and 'expert'"):
+        load(path, parallel="tensor")
+    with pytest.raises(ValueError, match="this is expert parallel"):
+        load(path, group=_Group(0, 2), parallel="expert", layers="0:3,3:6")
+
+
 def _rank_processes(launcher: int, n: int, timeout: float = 60) -> dict[int, int]:
     """{rank: pid} of the processes mlx.launch started (its children, each with MLX_RANK in its environment)."""
     deadline, found = time.monotonic() + timeout, {}
@@ -101,13 +150,13 @@ def _alive(pid: int) -> bool:
 
 @needs_launch
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through /proc")
-@pytest.mark.parametrize("victim", [1, 0])
-def test_lost_rank_ends_the_others(tiny_gguf, tmp_path, victim):
+@pytest.mark.parametrize("mode,victim", [("pipeline", 1), ("pipeline", 0), ("expert", 1)])
+def test_lost_rank_ends_the_others(tiny_gguf, tmp_path, mode, victim):
     """A rank killed mid-generation: mlx.launch ends the other rank and returns within seconds (MLX's ring
     backend reports the lost peer, but a send queued behind the failed ones can wait forever)."""
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "ds4_mlx", "generate", "-m",
            str(tiny_gguf()), "-p", "hello", "-n", "100000", "--ctx", "200000", "--temp", "0", "--nothink",
-           "--parallel", "pipeline"]
+           "--parallel", mode]
     out, err = tmp_path / "out", tmp_path / "err"
     launcher = subprocess.Popen(cmd, stdout=out.open("wb"), stderr=err.open("wb"))
     try:
@@ -127,6 +176,30 @@ def test_lost_rank_ends_the_others(tiny_gguf, tmp_path, victim):
     survivor = ranks[1 - victim]
     assert not _alive(survivor) and took < 10, (took, err.read_text(errors="replace")[-2000:])
     assert f"rank {victim} exited with code -9" in err.read_text(errors="replace")
+
+
+@needs_launch
+def test_generate_with_the_experts_split_prints_one_ranks_text(tiny_gguf):
+    """`mlx.launch -n 2 -- ds4-mlx generate --parallel expert`: rank 0 prints what one process prints; the other
+    rank prints nothing."""
+    args = ["generate", "-m", str(tiny_gguf()), "-p", "hello", "-n", "12", "--temp", "0", "--nothink"]
+    one = subprocess.run([sys.executable, "-m", "ds4_mlx", *args], capture_output=True, text=True, timeout=120)
+    two = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "ds4_mlx", *args,
+                          "--parallel", "expert"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert one.stdout.strip() and two.stdout == one.stdout
+    assert two.stderr.count("Generation:") == 1 and "expert parallel over 2 ranks" in two.stderr
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--parallel", "tensor"], "the modes are 'pipeline', 'expert'"),
+    (["--parallel", "expert", "--layers", "0:3,3:6"], "--layers splits the model over the ranks of --parallel pipeline"),
+    (["--parallel", "expert"], "--parallel expert needs several ranks: start it with mlx.launch"),
+])  # fmt: skip
+def test_parallel_flags_refused_clearly(tiny_gguf, flags, why):
+    r = subprocess.run([sys.executable, "-m", "ds4_mlx", "generate", "-m", str(tiny_gguf()), "-p", "hi", *flags],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode != 0 and why in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
 
 
 class _Group:

@@ -170,6 +170,7 @@ class Model:
             self.output_norm = weights["output_norm.weight"]  # [E]
             self.output = weights["output.weight"]  # [V, E] Q8_0 (not tied to the embedding)
         self.expert_cache = None  # where the routed experts stream from (stream_experts), if they do
+        self.group, self.rank = None, 0  # expert parallel: the ranks and this one's (shard_experts)
         # Evaluate the state layer by layer (two at most in flight) when a call has at least this many tokens:
         # bounds the memory of long prefill chunks; single-token decode stays one lazy graph.
         self.eval_layers_from = 64
@@ -191,6 +192,15 @@ class Model:
             layer.ffn.streamed = cache
         self.expert_cache = cache
         self.weights_bytes += cache.nbytes
+        self.set_compile_decode(False)
+
+    def shard_experts(self, group: Any, experts: range) -> None:
+        """Expert parallel (:mod:`ds4_mlx.distributed`): this rank holds ``experts`` of every layer's routed experts
+        and the layers add the ranks' shares. The ``all_sum`` is queued as a step is built and steps run op by op."""
+        for layer in self.layers:
+            layer.ffn.shard_experts(group, experts)
+        self.group, self.rank = group, group.rank()
+        self.queues_while_building = True
         self.set_compile_decode(False)
 
     def set_compile_decode(self, on: bool) -> None:
