@@ -206,6 +206,19 @@ def test_first_use_benchmark_times_every_stage(tmp_path):
     assert all(st["seconds"] > 0 for st in stages) and "total" in text
 
 
+def test_expert_cache_hits_follow_the_cache_share(tmp_path):
+    """benchmarks/expert_cache_hits.py drives the real cache: uniform routing hits about as often as the cache's
+    share of the experts, a cache of all of them (nearly) always once warm, and skewed routing more than uniform."""
+    out = tmp_path / "hits.json"
+    run_script("expert_cache_hits", "--layers", 2, "--experts", 32, "-k", 4, "--shares", "0.5,1.0", "--zipf",
+               "0,1.4", "--steps", 150, "--warm", 150, "--json", out)  # fmt: skip
+    rows = {(r["zipf_s"], r["cache_share"]): r for r in json.loads(out.read_text())["rows"]}
+    assert abs(rows[0.0, 0.5]["hit_rate"] - 0.5) < 0.1
+    assert rows[0.0, 1.0]["hit_rate"] == 1.0 and rows[1.4, 1.0]["hit_rate"] > 0.99  # the rarest may not come yet
+    assert rows[1.4, 0.5]["hit_rate"] > rows[0.0, 0.5]["hit_rate"] + 0.2
+    assert rows[0.0, 0.5]["experts_read_per_layer"] == pytest.approx(4 * (1 - rows[0.0, 0.5]["hit_rate"]), abs=0.01)
+
+
 @pytest.mark.parametrize("script", ["kernel_speed", "kvcache", "load", "moe_prefill", "prefill_precision",
                                     "prefill_profile"])
 def test_scripts_parse_their_arguments(script):
