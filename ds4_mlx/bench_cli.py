@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench as B
-from .cli_common import SsdCacheOpt, SsdStreamingOpt, check_output_file, expert_cache_size, fail
+from .cli_common import SsdCacheOpt, SsdStreamingOpt, check_output_file, expert_cache_size, fail, parallel_group
 from .session import DEFAULT_CHUNK
 
 bench_app = typer.Typer(
@@ -64,6 +64,9 @@ def bench(
         None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."),
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
+    parallel: Optional[str] = typer.Option(
+        None, "--parallel", help="'expert': this rank's share of the routed experts, the ranks started by mlx.launch "
+        "running in step (rank 0 prints and writes the outputs)."),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (a throwaway session that decodes 4 steps just below 4 x indexer top-k tokens and 4 more after one chunk past it, so kernel compilation and the decode-step traces are not timed)."),
 ) -> None:
     """Measure prefill and decode speed at each context frontier, ds4-bench's way (docs/serving.md §7)."""
@@ -80,6 +83,16 @@ def bench(
         fail(f"--experts must be q2 or q4, got {experts!r}")
     if gen_tokens < 1 or chunk < 1:
         fail("--gen-tokens and --chunk must be > 0")
+    if parallel not in (None, "expert"):
+        fail(f"bench --parallel {parallel!r}: the mode here is 'expert'")
+    if parallel is not None and expert_cache is not None:
+        fail("--ssd-streaming is not available with --parallel expert")
+    group = parallel_group(parallel, None)
+    share = 1.0
+    if group is not None:
+        share = 1 / group.size()  # about: the later ranks take one more expert when it does not divide
+        if group.rank() > 0:  # the other ranks measure in step with rank 0, quietly
+            err.quiet, csv_out, json_out = True, None, None
     if step_incr is None and step_mul is None:
         step_incr = 2048
     if prompt_file is not None and not prompt_file.is_file():
@@ -99,7 +112,7 @@ def bench(
 
     if random_weights is not None:
         cfg = shape_config(random_weights, layers)
-        weights_bytes = random_weights_bytes(cfg, experts)
+        weights_bytes = random_weights_bytes(cfg, experts, share)
         desc = f"random {random_weights} shape ({cfg.n_layer} layers, seed {seed})"
         quant = f"{experts} experts"
     else:
@@ -110,6 +123,10 @@ def bench(
         except (DS4FormatError, OSError) as e:
             fail(str(e))
         cfg, weights_bytes = g.config, g.nbytes
+        if group is not None:
+            from .streaming import is_routed_expert
+
+            weights_bytes -= round((1 - share) * sum(t.nbytes for n, t in g.tensors.items() if is_routed_expert(n)))
         if expert_cache is not None:
             from .loader import check_expert_cache
 
@@ -121,6 +138,8 @@ def bench(
         desc = f"{model.name} ({cfg.name or 'DS4'})"
         quant = f"{cfg.experts_label} ({'/'.join(cfg.expert_types)})"
         del g
+    if group is not None:
+        desc += f"; experts split over {group.size()} ranks"
     plan = B.memory_plan(cfg, weights_bytes, n_ctx, chunk)
     try:
         plan.check(n_ctx)
@@ -138,12 +157,12 @@ def bench(
     if random_weights is not None:
         from .random_model import random_model
 
-        m, tok = random_model(random_weights, experts, seed=seed, numerics=numerics, layers=layers)
+        m, tok = random_model(random_weights, experts, seed=seed, numerics=numerics, layers=layers, group=group)
     else:
         from .loader import load
 
         try:
-            m, tok = load(model, numerics, expert_cache=expert_cache)
+            m, tok = load(model, numerics, expert_cache=expert_cache, group=group, parallel="expert")
         except ValueError as e:
             fail(str(e))
     load_s = time.perf_counter() - t0
@@ -216,7 +235,7 @@ def bench(
         err.print(f"wrote {p}")
     if json_out is not None and str(json_out) == "-":
         sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
-    elif csv_out is None:
+    elif csv_out is None and not err.quiet:
         sys.stdout.write(result.csv_text())  # like ds4-bench without --csv: the CSV on stdout
 
 

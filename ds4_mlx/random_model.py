@@ -11,6 +11,7 @@ The recipes avoid launches MLX-CUDA 0.32.4 refuses at the full shape (each noted
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import replace
 from typing import Any
 
@@ -27,7 +28,7 @@ from .weights import QuantWeight
 SHAPES = ("tiny", "full")
 
 
-def random_block_bytes(qtype: T, shape: tuple[int, ...], std: float) -> mx.array:
+def random_block_bytes(qtype: T, shape: tuple[int, ...], std: float, key: mx.array | None = None) -> mx.array:
     """Random valid blocks (uniform bytes, finite f16 scales) whose values have std ≈ ``std``; built on device.
 
     int32 randint, cast, f16 scale columns spliced in with one concatenate: MLX-CUDA runs that at 0.7 GB per
@@ -36,7 +37,7 @@ def random_block_bytes(qtype: T, shape: tuple[int, ...], std: float) -> mx.array
     """
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     n_blocks = int(np.prod(shape)) // block
-    raw = mx.random.randint(0, 256, (n_blocks, block_bytes)).astype(mx.uint8)
+    raw = mx.random.randint(0, 256, (n_blocks, block_bytes), key=key).astype(mx.uint8)
     d_off, m_off, m_ratio = SCALE_FIELDS[qtype]  # the test factory's calibration (zero-mean values)
     d = std / unit_rms(qtype)
     fields = {d_off: d} if m_off is None else {d_off: d, m_off: d * m_ratio}
@@ -57,26 +58,31 @@ def random_dense(shape: tuple[int, ...], std: float, dtype) -> mx.array:
     return (std * mx.random.normal(shape)).astype(dtype)
 
 
-def random_quant_weight(qtype: T, shape: tuple[int, ...], std: float) -> QuantWeight:
-    """A random weight of ``qtype`` (Gaussian F16/F32, or random valid blocks) with values of std ≈ ``std``."""
+def random_quant_weight(qtype: T, shape: tuple[int, ...], std: float, key: mx.array | None = None) -> QuantWeight:
+    """A random weight of ``qtype`` (Gaussian F16/F32, or random valid blocks) with values of std ≈ ``std``;
+    block types drawn from ``key`` when given (else MLX's global random state)."""
     if qtype in (T.F16, T.F32):
         return QuantWeight(random_dense(shape, std, mx.float16 if qtype == T.F16 else mx.float32), qtype, shape)
-    return QuantWeight(random_block_bytes(qtype, shape, std), qtype, shape)
+    return QuantWeight(random_block_bytes(qtype, shape, std, key), qtype, shape)
 
 
-def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict:
+def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0, expert_ids: range | None = None) -> dict:
     """``{gguf name: QuantWeight | mx.array}`` for every tensor of the layout, random, in device memory.
 
-    Each tensor is evaluated as soon as it is built, so peak memory stays at the weights' size.
+    Each tensor is evaluated as soon as it is built, so peak memory stays at the weights' size. ``expert_ids``: an
+    expert-parallel rank's share (:func:`ds4_mlx.distributed.expert_range`): the routed experts' tensors hold only
+    those experts, drawn from their own keys, so every rank draws the same other weights.
     """
     if experts not in EXPERT_VARIANTS:
         raise ValueError(f"experts must be one of {sorted(EXPERT_VARIANTS)}, got {experts!r}")
     mx.random.seed(seed)
     out = {}
     for name, spec in expected_tensors(cfg).items():
-        shape, qtype = spec.shape, spec.types[0]
+        shape, qtype, key = spec.shape, spec.types[0], None
         if spec.component == "experts":
             qtype = expert_type(name, experts)
+            if expert_ids is not None:
+                shape, key = (len(expert_ids), *shape[1:]), mx.random.key(seed * 7919 + zlib.crc32(name.encode()))
         if qtype == T.I32:  # tid2eid: distinct experts per token
             # on the host: MLX-CUDA's sort fails to launch for more than 65535 rows (grid y limit)
             rows = np.argsort(np.random.default_rng(seed).random((shape[0], cfg.n_expert)), axis=1)[:, : shape[1]]
@@ -86,7 +92,7 @@ def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0) -> dict
         if len(shape) == 1:
             out[name] = mx.random.uniform(a, b, shape) if dist == "uniform" else a + b * mx.random.normal(shape)
         else:
-            out[name] = random_quant_weight(qtype, shape, b)
+            out[name] = random_quant_weight(qtype, shape, b, key)
         try:
             mx.eval(out[name].data if isinstance(out[name], QuantWeight) else out[name])
         except RuntimeError as e:
@@ -105,21 +111,29 @@ def shape_config(shape: str = "tiny", layers: int | None = None) -> ModelConfig:
     return cfg
 
 
-def random_weights_bytes(cfg: ModelConfig, experts: str = "q2") -> int:
-    """Bytes :func:`random_weights` will allocate (from the layout, before building anything)."""
-    return sum(layout_sizes(cfg, experts).values())
+def random_weights_bytes(cfg: ModelConfig, experts: str = "q2", share: float = 1.0) -> int:
+    """Bytes :func:`random_weights` will allocate (from the layout, before building anything), with ``share`` of
+    the routed experts (an expert-parallel rank's)."""
+    kinds = {name: spec.component for name, spec in expected_tensors(cfg).items()}
+    return round(sum(b * (share if kinds[n] == "experts" else 1) for n, b in layout_sizes(cfg, experts).items()))
 
 
 def random_model(shape: str = "tiny", experts: str = "q2", *, seed: int = 0, numerics: str = "ds4",
-                 layers: int | None = None) -> tuple[Model, Any]:
-    """A random-weight :class:`Model` of ``shape`` -> ``(model, tokenizer)``.
+                 layers: int | None = None, group: Any = None) -> tuple[Model, Any]:
+    """A random-weight :class:`Model` of ``shape`` -> ``(model, tokenizer)``; with ``group`` (several ranks) this
+    rank's expert-parallel share (:meth:`Model.shard_experts`).
 
     The tokenizer is the test factory's byte-level BPE (vocab 512, ``testing.tiny_tokenizer``) for both shapes:
     its ids are valid at the full shape's vocabulary too (text is meaningless with random weights anyway).
     """
+    from .distributed import expert_range
     from .testing import tiny_tokenizer
     from .tokenizer import Tokenizer
 
     cfg = shape_config(shape, layers)
-    model = Model(cfg, random_weights(cfg, experts, seed), numerics)
+    mine = expert_range(cfg.n_expert, group.size(), group.rank()) if group is not None and group.size() > 1 else None
+    model = Model(cfg, random_weights(cfg, experts, seed, mine), numerics)
+    if mine is not None:
+        model.shard_experts(group, mine)
     return model, Tokenizer.from_gguf(tiny_tokenizer(512))
+

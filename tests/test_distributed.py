@@ -191,6 +191,22 @@ def test_generate_with_the_experts_split_prints_one_ranks_text(tiny_gguf):
     assert two.stderr.count("Generation:") == 1 and "expert parallel over 2 ranks" in two.stderr
 
 
+@needs_launch
+def test_bench_with_the_experts_split(tmp_path):
+    """`mlx.launch -n 2 -- ds4-mlx bench --random-weights tiny --parallel expert`: the ranks measure in step and
+    rank 0 alone reports and writes the CSV, whose system line names the split."""
+    out = tmp_path / "bench.csv"
+    r = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "ds4_mlx", "bench",
+                        "--random-weights", "tiny", "--parallel", "expert", "--ctx-start", "32", "--ctx-max", "64",
+                        "--step-incr", "32", "-n", "2", "--no-warmup", "--csv", str(out)],
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = out.read_text().splitlines()
+    assert rows[0].startswith("ctx_tokens,") and [x.split(",")[0] for x in rows[1:]] == ["32", "64"]
+    assert "experts split over 2 ranks" in out.with_suffix(".system.txt").read_text()
+    assert r.stderr.count("memory plan:") == 1  # one rank reports
+
+
 @pytest.mark.parametrize("flags,why", [
     (["--parallel", "tensor"], "the modes are 'pipeline', 'expert'"),
     (["--parallel", "expert", "--layers", "0:3,3:6"], "--layers splits the model over the ranks of --parallel pipeline"),
