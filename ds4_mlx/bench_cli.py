@@ -90,7 +90,7 @@ def bench(
     group = parallel_group(parallel, None)
     share = 1.0
     if group is not None:
-        share = 1 / group.size()  # about: the later ranks take one more expert when it does not divide
+        share = 1 / group.size()  # for the memory plan (an uneven split gives the later ranks one expert more)
         if group.rank() > 0:  # the other ranks measure in step with rank 0, quietly
             err.quiet, csv_out, json_out = True, None, None
     if step_incr is None and step_mul is None:

@@ -421,6 +421,7 @@ def generate(
                    parallel, layers)
     if isinstance(m, PipelineFollower):
         return follow(m)
+    rank = getattr(m, "rank", 0)  # expert parallel: every rank generates, rank 0 prints
     with lead(m):
         ids = prompt_tokens(tok, prompt, system=system, think=mode)
         if len(ids) >= ctx:
@@ -430,7 +431,6 @@ def generate(
             return
         params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
         session = Session(m, chunk_size=prefill_chunk, reserve=min(ctx, len(ids) + n))
-        rank = getattr(m, "rank", 0)  # expert parallel: every rank generates, rank 0 prints
         printer = _Printer() if rank == 0 else _Quiet()
         _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=printer)
     if rank > 0:
