@@ -14,29 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-import ds4_mlx.kernels as K
-from ds4_mlx.backend import kernel_backend
-from ds4_mlx.random_model import random_quant_weight
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from prefill_profile import timed  # noqa: E402
+
+import ds4_mlx.kernels as K  # noqa: E402
+from ds4_mlx.backend import kernel_backend  # noqa: E402
+from ds4_mlx.random_model import random_quant_weight  # noqa: E402
 
 E, F, D, KS = 256, 2048, 4096, 6  # experts, expert width, model width, experts a token
-
-
-def timed(fn, reps: int) -> float:
-    """Median seconds of ``mx.eval(fn())`` over ``reps`` runs after one warm-up."""
-    mx.eval(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def main() -> None:
@@ -68,7 +61,7 @@ def main() -> None:
             "sum": (lambda: y.reshape(T, KS, D).sum(axis=1), 0),
         }
         for name, (fn, fl) in pieces.items():
-            ms = 1e3 * timed(fn, args.reps)
+            ms = 1e3 * timed(lambda: mx.eval(fn()), args.reps)
             rows.append({"tokens": T, "piece": name, "ms": ms, "tflops": fl / ms / 1e9 if fl else None})
             rate = f"{fl / ms / 1e9:7.1f} TFLOP/s" if fl else ""
             print(f"T {T:>5} {name:8s} {ms:8.3f} ms {rate}", flush=True)
