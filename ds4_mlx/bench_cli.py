@@ -65,8 +65,8 @@ def bench(
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
     parallel: Optional[str] = typer.Option(
-        None, "--parallel", help="'expert': this rank's share of the routed experts, the ranks started by mlx.launch "
-        "running in step (rank 0 prints and writes the outputs)."),
+        None, "--parallel", help="'expert': this rank's share of the routed and shared experts; 'tensor': of the "
+        "attention heads too. The ranks, started by mlx.launch, run in step (rank 0 prints and writes the outputs)."),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (a throwaway session that decodes 4 steps just below 4 x indexer top-k tokens and 4 more after one chunk past it, so kernel compilation and the decode-step traces are not timed)."),
 ) -> None:
     """Measure prefill and decode speed at each context frontier, ds4-bench's way (docs/serving.md §7)."""
@@ -83,16 +83,13 @@ def bench(
         fail(f"--experts must be q2 or q4, got {experts!r}")
     if gen_tokens < 1 or chunk < 1:
         fail("--gen-tokens and --chunk must be > 0")
-    if parallel not in (None, "expert"):
-        fail(f"bench --parallel {parallel!r}: the mode here is 'expert'")
+    if parallel not in (None, "expert", "tensor"):
+        fail(f"bench --parallel {parallel!r}: the modes here are 'expert' and 'tensor'")
     if parallel is not None and expert_cache is not None:
-        fail("--ssd-streaming is not available with --parallel expert")
+        fail(f"--ssd-streaming is not available with --parallel {parallel}")
     group = parallel_group(parallel, None)
-    share = 1.0
-    if group is not None:
-        share = 1 / group.size()  # for the memory plan (an uneven split gives the later ranks one expert more)
-        if group.rank() > 0:  # the other ranks measure in step with rank 0, quietly
-            err.quiet, csv_out, json_out = True, None, None
+    if group is not None and group.rank() > 0:  # the other ranks measure in step with rank 0, quietly
+        err.quiet, csv_out, json_out = True, None, None
     if step_incr is None and step_mul is None:
         step_incr = 2048
     if prompt_file is not None and not prompt_file.is_file():
@@ -108,11 +105,18 @@ def bench(
     n_ctx = points[-1] + gen_tokens + 1  # ds4-bench's --ctx-alloc default
 
     # ---- plan memory before loading anything
+    from .distributed import held_share, tensor_share
     from .random_model import random_weights_bytes, shape_config
+
+    def share(cfg):  # this rank's cut of the tensors, for the memory plan
+        try:
+            return None if group is None else tensor_share(cfg, parallel, group.size(), group.rank())
+        except ValueError as e:
+            fail(str(e))
 
     if random_weights is not None:
         cfg = shape_config(random_weights, layers)
-        weights_bytes = random_weights_bytes(cfg, experts, share)
+        weights_bytes = random_weights_bytes(cfg, experts, share(cfg))
         desc = f"random {random_weights} shape ({cfg.n_layer} layers, seed {seed})"
         quant = f"{experts} experts"
     else:
@@ -122,11 +126,8 @@ def bench(
             g = open_gguf(model)
         except (DS4FormatError, OSError) as e:
             fail(str(e))
-        cfg, weights_bytes = g.config, g.nbytes
-        if group is not None:
-            from .streaming import is_routed_expert
-
-            weights_bytes -= round((1 - share) * sum(t.nbytes for n, t in g.tensors.items() if is_routed_expert(n)))
+        cfg, cut = g.config, share(g.config)
+        weights_bytes = round(sum(t.nbytes * held_share(cut, n, t.shape) for n, t in g.tensors.items()))
         if expert_cache is not None:
             from .loader import check_expert_cache
 
@@ -139,7 +140,7 @@ def bench(
         quant = f"{cfg.experts_label} ({'/'.join(cfg.expert_types)})"
         del g
     if group is not None:
-        desc += f"; experts split over {group.size()} ranks"
+        desc += f"; {parallel} parallel over {group.size()} ranks"
     plan = B.memory_plan(cfg, weights_bytes, n_ctx, chunk)
     try:
         plan.check(n_ctx)
@@ -157,12 +158,13 @@ def bench(
     if random_weights is not None:
         from .random_model import random_model
 
-        m, tok = random_model(random_weights, experts, seed=seed, numerics=numerics, layers=layers, group=group)
+        m, tok = random_model(random_weights, experts, seed=seed, numerics=numerics, layers=layers, group=group,
+                              parallel=parallel or "expert")  # fmt: skip
     else:
         from .loader import load
 
         try:
-            m, tok = load(model, numerics, expert_cache=expert_cache, group=group, parallel="expert")
+            m, tok = load(model, numerics, expert_cache=expert_cache, group=group, parallel=parallel or "pipeline")
         except ValueError as e:
             fail(str(e))
     load_s = time.perf_counter() - t0

@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType
 from rich.console import Console
 from rich.table import Table
 
-from .cli_common import (ErrorLineGroup, SsdCacheOpt, SsdStreamingOpt, check_output_file, check_sampling,
-                         expert_cache_size, fail, follow, lead, parallel_group, say)
+from .cli_common import (ErrorLineGroup, LayersOpt, ParallelOpt, SsdCacheOpt, SsdStreamingOpt, check_output_file,
+                         check_sampling, expert_cache_size, fail, follow, lead, parallel_group, say)
 from .distributed import PipelineFollower
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
 from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
@@ -192,15 +192,6 @@ ThinkMaxOpt = typer.Option(False, "--think-max", help="Think Max (needs --ctx >=
 ChunkOpt = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", help="Prompt tokens per model call (ds4's default too).")
 CacheLimitOpt = typer.Option(
     None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none).")
-ParallelOpt = typer.Option(
-    None, "--parallel", help="Over the ranks started by mlx.launch: 'pipeline' splits the layers (each rank reads "
-    "only its layers' tensors; rank 0 tokenizes, samples and prints, the others follow); 'expert' splits each "
-    "layer's routed experts by id (every rank runs the whole program in step; rank 0 prints).")
-LayersOpt = typer.Option(
-    None, "--layers", help="With --parallel pipeline: each rank's layers, one A:B per rank, e.g. 0:20,20:43 "
-    "(default: an even split).")
-
-
 def _model_path(model: Optional[Path], demo: bool) -> Path:
     if demo:
         from .demo import demo_model_path
@@ -294,7 +285,7 @@ class _Printer:
 
 
 class _Quiet(_Printer):
-    """A printer that prints nothing (an expert-parallel rank after the first)."""
+    """A printer that prints nothing (an expert- or tensor-parallel rank after the first)."""
 
     def write(self, text: str, reasoning: bool) -> None:
         pass
@@ -397,7 +388,7 @@ def generate(
     """Generate a continuation of one prompt, rendered as a DS4 chat turn (like `ds4 -p`).
 
     The text streams to stdout; prefill/decode speed and peak memory go to stderr at the end. Over several
-    machines: mlx.launch -n 2 --hostfile hosts.json -- ds4-mlx generate --parallel pipeline|expert -m FILE -p ...
+    machines: mlx.launch -n 2 --hostfile hosts.json -- ds4-mlx generate --parallel pipeline|expert|tensor -m FILE -p ...
     """
     if (prompt is None) == (prompt_file is None):
         fail("give exactly one of -p/--prompt or --prompt-file")
@@ -421,7 +412,7 @@ def generate(
                    parallel, layers)
     if isinstance(m, PipelineFollower):
         return follow(m)
-    rank = getattr(m, "rank", 0)  # expert parallel: every rank generates, rank 0 prints
+    rank = getattr(m, "rank", 0)  # expert or tensor parallel: every rank generates, rank 0 prints
     with lead(m):
         ids = prompt_tokens(tok, prompt, system=system, think=mode)
         if len(ids) >= ctx:

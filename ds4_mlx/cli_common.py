@@ -114,7 +114,16 @@ def expert_cache_size(ssd_streaming: bool, cache_experts: str | None) -> str | N
 # ---- model parallel (mlx.launch) ------------------------------------------------------------------------------
 
 LOST_RANK = 1  # exit status of a rank that lost another rank
-PARALLEL_MODES = ("pipeline", "expert")
+
+ParallelOpt = typer.Option(
+    None, "--parallel", help="Over the ranks started by mlx.launch: 'pipeline' splits the layers (each rank reads "
+    "only its layers' tensors; rank 0 tokenizes, samples and prints, the others follow); 'expert' splits each "
+    "layer's routed experts by id and the shared expert by width (every rank runs the whole program in step; rank "
+    "0 prints; serve: rank 0 drives the others); 'tensor' splits the attention heads as well (two sums a layer "
+    "instead of one).")
+LayersOpt = typer.Option(
+    None, "--layers", help="With --parallel pipeline: each rank's layers, one A:B per rank, e.g. 0:20,20:43 "
+    "(default: an even split).")
 
 
 def parallel_group(parallel: str | None, layers: str | None):
@@ -124,6 +133,8 @@ def parallel_group(parallel: str | None, layers: str | None):
         fail("--layers splits the model over the ranks of --parallel pipeline")
     if parallel is None:
         return None
+    from .distributed import PARALLEL_MODES
+
     if parallel not in PARALLEL_MODES:
         fail(f"--parallel {parallel!r}: the modes are {', '.join(map(repr, PARALLEL_MODES))}")
     import mlx.core as mx
@@ -162,7 +173,7 @@ def lost_peer(error: BaseException) -> bool:
 
 
 class lead:
-    """A command's work on rank 0 of a pipeline, on any rank of an expert-parallel model, or in one process (where
+    """A command's work on rank 0 of a pipeline, on any rank of an expert- or tensor-parallel model, or in one process (where
     it does nothing): closes a pipeline at the end, whatever ends it, and turns a lost rank into
     :func:`lost_rank`."""
 

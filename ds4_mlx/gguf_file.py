@@ -154,29 +154,29 @@ def open_gguf(path: str | os.PathLike) -> GGUFModel:
 
 def load_weights(model: GGUFModel, progress: Callable[[int, int], None] | None = None, *,
                  stream_experts: bool = False, keep: Callable[[str], bool] | None = None,
-                 experts: range | None = None) -> dict[str, Any]:  # fmt: skip
+                 cut: Callable[[str], tuple[int, range] | None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Turn the bound tensors into MLX values keyed by GGUF name.
 
     Matrices (ndim >= 2) become :class:`ds4_mlx.weights.QuantWeight`; 1-D F32 tensors and the hash
     routing tables become plain ``mx.array`` (float32 / int32). With ``stream_experts`` the routed experts stay in
     the file (:class:`ds4_mlx.streaming.StreamedTensor`). ``progress(bytes read, total)`` after each tensor (each
     is copied out of the file's memory map, so this is the file's read). ``keep(name)``: only the tensors it
-    accepts are read (a pipeline stage's), the others stay in the file untouched. ``experts``: of the routed
-    experts' tensors only these experts are read (an expert-parallel rank's share).
+    accepts are read (a pipeline stage's), the others stay in the file untouched. ``cut(name)``: the part of a
+    tensor read, ``(axis, range)``, or None for all of it (an expert- or tensor-parallel rank's share,
+    :func:`ds4_mlx.distributed.tensor_share`).
     """
     import mlx.core as mx
 
     from .streaming import StreamedTensor, is_routed_expert
-    from .weights import QuantWeight
+    from .weights import QuantWeight, cut_storage
 
     out: dict[str, Any] = {}
     tensors = {n: t for n, t in model.tensors.items() if keep is None or keep(n)}
     streamed = {n for n in tensors if stream_experts and is_routed_expert(n)}
 
     def data_shape(name: str, t: Any) -> tuple[np.ndarray, tuple[int, ...]]:  # what is read of t, and its shape
-        if experts is None or not is_routed_expert(name):
-            return t.data, tuple(t.shape)
-        return t.data[experts.start : experts.stop], (len(experts), *t.shape[1:])
+        part = None if cut is None else cut(name)
+        return (t.data, tuple(t.shape)) if part is None else cut_storage(t.data, t.qtype, t.shape, *part)
 
     total, done = sum(data_shape(n, t)[0].nbytes for n, t in tensors.items() if n not in streamed), 0
     for name, t in tensors.items():

@@ -143,7 +143,7 @@ def session_payload(session, *, ctx: int = DEFAULT_CTX) -> bytes:
     R = min(N, cfg.n_swa)
     head = _payload_dims(cfg, ctx)
     head[7], head[12] = N, R
-    caches = session.caches
+    caches = session.model.layer_caches(session.caches)  # over several ranks: the others' layers too
     parts = [PAYLOAD_HEAD.pack(*head), np.asarray(tokens, "<u4").tobytes(), _f32(session.logits.reshape(-1)),
              np.asarray([c.n_comp for c in caches], "<u4").tobytes(),
              np.asarray([c.n_index for c in caches], "<u4").tobytes()]
@@ -260,6 +260,7 @@ def snapshot_from_payload(model, data: bytes | memoryview, *, ctx: int = DEFAULT
             c.index_state = CompressorState.of(mx.array(istate[0]), mx.array(istate[1]))
         caches.append(c)
     mx.eval([mx.array(logits)] + [a for c in caches for a in (c.raw, c.index) if a is not None])
+    caches = model.adopt_caches(caches)  # over several ranks: the others' layers go to them
     return SessionSnapshot(tuple(int(t) for t in tokens), mx.array(logits), tuple(caches))
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from .gguf_file import load_weights, open_gguf
 from .model.model import Model, stage_tensor
 from .numerics import Numerics
-from .streaming import is_routed_expert
 
 
 def load(
@@ -40,13 +41,16 @@ def load(
     every rank's range (``"0:2,2:6"``; default an even split). Rank 0 gets a
     :class:`~ds4_mlx.distributed.PipelineModel` and the tokenizer, the others a
     :class:`~ds4_mlx.distributed.PipelineFollower` to ``run()`` and ``None``. With ``parallel="expert"`` every rank
-    reads every layer but only its share of the routed experts (:func:`~ds4_mlx.distributed.expert_range`) and gets
-    a model and the tokenizer, to run in step with the others. A group of one rank loads as without.
+    reads every layer but only its share of the routed and shared experts, with ``parallel="tensor"`` of the
+    attention heads too (:func:`~ds4_mlx.distributed.tensor_share`), and gets a model and the tokenizer, to run in
+    step with the others. A group of one rank loads as without.
     """
-    if parallel not in ("pipeline", "expert"):
-        raise ValueError(f"parallel={parallel!r}: the modes are 'pipeline' and 'expert'")
+    from .distributed import PARALLEL_MODES
+
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel={parallel!r}: the modes are {', '.join(map(repr, PARALLEL_MODES))}")
     sharded = group is not None and group.size() > 1
-    pipeline, expert_parallel = sharded and parallel == "pipeline", sharded and parallel == "expert"
+    pipeline, split = sharded and parallel == "pipeline", sharded and parallel != "pipeline"
     if sharded and expert_cache is not None:
         raise ValueError(f"expert streaming is not available with {parallel} parallel")
     if layers is not None and not pipeline:
@@ -58,26 +62,28 @@ def load(
         from .mlx_dir import open_mlx_dir
 
         config, weights, tokenizer_data = open_mlx_dir(path)
-        split, keep = _stage(config, group, layers) if pipeline else (None, None)
+        stages, keep = _stage(config, group, layers) if pipeline else (None, None)
+        head_rows = _head_rows(weights["output.weight"]) if pipeline else None
         weights = weights if keep is None else {n: w for n, w in weights.items() if keep(n)}
-        mine = _experts(config, group) if expert_parallel else None
-        if mine is not None:
-            weights = {n: _expert_rows(w, mine) if is_routed_expert(n) else w for n, w in weights.items()}
+        cut = _share(config, group, parallel) if split else None
+        if cut is not None:
+            weights = {n: _cut_weight(w, cut(n)) for n, w in weights.items()}
     else:
         gguf = open_gguf(path)
         read = None if progress is None else lambda done, total: progress("reading", done, total)
         config, tokenizer_data = gguf.config, gguf.tokenizer
-        split, keep = _stage(config, group, layers) if pipeline else (None, None)
-        mine = _experts(config, group) if expert_parallel else None
-        weights = load_weights(gguf, read, stream_experts=expert_cache is not None, keep=keep, experts=mine)
+        stages, keep = _stage(config, group, layers) if pipeline else (None, None)
+        head_rows = _head_rows(gguf.tensors["output.weight"]) if pipeline else None
+        cut = _share(config, group, parallel) if split else None
+        weights = load_weights(gguf, read, stream_experts=expert_cache is not None, keep=keep, cut=cut)
         _to_device(weights, progress)
     if pipeline:
         from .distributed import PipelineFollower, PipelineModel
 
-        stage = Model(config, weights, numerics, layers=split[group.rank()])
+        stage = Model(config, weights, numerics, layers=stages[group.rank()])
         if group.rank() > 0:
-            return PipelineFollower(stage, group, split), None
-        return PipelineModel(stage, group, split), _tokenizer(tokenizer_data)
+            return PipelineFollower(stage, group, stages), None
+        return PipelineModel(stage, group, stages, head_rows), _tokenizer(tokenizer_data)
     cache = None
     if expert_cache is not None:
         from .streaming import ExpertCache
@@ -86,8 +92,8 @@ def load(
     model = Model(config, weights, numerics)
     if cache is not None:
         model.stream_experts(cache)
-    if mine is not None:
-        model.shard_experts(group, mine)
+    if cut is not None:
+        model.shard(group, cut)
     return model, _tokenizer(tokenizer_data)
 
 
@@ -108,18 +114,36 @@ def _stage(config: Any, group: Any, layers: str | None) -> tuple[list[range], Ca
     return split, lambda name: stage_tensor(name, mine, config.n_layer)
 
 
-def _experts(config: Any, group: Any) -> range:
-    """The routed experts this rank of an expert-parallel group holds."""
-    from .distributed import expert_range
+def _head_rows(w: Any) -> Any:
+    """The first rows of the output head (a GGUF tensor or a directory's weight): in a pipeline rank 0 keeps them
+    to identify the model in KV files, the last rank holds the head."""
+    from .weights import QuantWeight, cut_storage
 
-    return expert_range(config.n_expert, group.size(), group.rank())
+    data, shape = cut_storage(w.data, w.qtype, w.shape, 0, range(4))
+    return QuantWeight.from_numpy(np.asarray(data), w.qtype, shape)
 
 
-def _expert_rows(w: Any, experts: range) -> Any:
-    """A converted directory's routed-expert weight cut to ``experts`` (views of its rows)."""
-    from .weights import QuantWeight
+def _share(config: Any, group: Any, parallel: str) -> Callable[[str], Any]:
+    """How this rank of an expert- or tensor-parallel group cuts each tensor."""
+    from .distributed import tensor_share
 
-    return QuantWeight(w.data[experts.start : experts.stop], w.qtype, (len(experts), *w.shape[1:]))
+    return tensor_share(config, parallel, group.size(), group.rank())
+
+
+def _cut_weight(w: Any, part: Any) -> Any:
+    """A converted directory's weight cut to ``part`` (:func:`~ds4_mlx.weights.cut_storage`; a view of its rows,
+    a copy of the blocks of its columns), or ``w`` for None."""
+    import mlx.core as mx
+    from gguf import GGMLQuantizationType as QT
+
+    from .weights import QuantWeight, cut_storage
+
+    if part is None:
+        return w
+    if isinstance(w, QuantWeight):
+        data, shape = cut_storage(w.data, w.qtype, w.shape, *part)
+        return QuantWeight(mx.contiguous(data), w.qtype, shape)
+    return mx.contiguous(cut_storage(w, QT.F32, w.shape, *part)[0])
 
 
 def _to_device(weights: dict[str, Any], progress: Callable[[str, int, int], None] | None) -> None:

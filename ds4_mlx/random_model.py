@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -66,12 +66,13 @@ def random_quant_weight(qtype: T, shape: tuple[int, ...], std: float, key: mx.ar
     return QuantWeight(random_block_bytes(qtype, shape, std, key), qtype, shape)
 
 
-def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0, expert_ids: range | None = None) -> dict:
+def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0,
+                   cut: Callable[[str], tuple[int, range] | None] | None = None) -> dict:  # fmt: skip
     """``{gguf name: QuantWeight | mx.array}`` for every tensor of the layout, random, in device memory.
 
-    Each tensor is evaluated as soon as it is built, so peak memory stays at the weights' size. ``expert_ids``: an
-    expert-parallel rank's share (:func:`ds4_mlx.distributed.expert_range`): the routed experts' tensors hold only
-    those experts, drawn from their own keys, so every rank draws the same other weights.
+    Each tensor is evaluated as soon as it is built, so peak memory stays at the weights' size. ``cut``: an expert-
+    or tensor-parallel rank's share (:func:`ds4_mlx.distributed.tensor_share`): a tensor it cuts is drawn at its
+    cut shape from its own key, so every rank draws the same other weights.
     """
     if experts not in EXPERT_VARIANTS:
         raise ValueError(f"experts must be one of {sorted(EXPERT_VARIANTS)}, got {experts!r}")
@@ -81,8 +82,10 @@ def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0, expert_
         shape, qtype, key = spec.shape, spec.types[0], None
         if spec.component == "experts":
             qtype = expert_type(name, experts)
-            if expert_ids is not None:
-                shape, key = (len(expert_ids), *shape[1:]), mx.random.key(seed * 7919 + zlib.crc32(name.encode()))
+        part = None if cut is None else cut(name)
+        if part is not None:
+            shape = tuple(len(part[1]) if i == part[0] else s for i, s in enumerate(shape))
+            key = mx.random.key(seed * 7919 + zlib.crc32(name.encode()))
         if qtype == T.I32:  # tid2eid: distinct experts per token
             # on the host: MLX-CUDA's sort fails to launch for more than 65535 rows (grid y limit)
             rows = np.argsort(np.random.default_rng(seed).random((shape[0], cfg.n_expert)), axis=1)[:, : shape[1]]
@@ -90,7 +93,8 @@ def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0, expert_
             continue
         dist, a, b = weight_init(name, shape)
         if len(shape) == 1:
-            out[name] = mx.random.uniform(a, b, shape) if dist == "uniform" else a + b * mx.random.normal(shape)
+            out[name] = (mx.random.uniform(a, b, shape, key=key) if dist == "uniform"
+                         else a + b * mx.random.normal(shape, key=key))  # fmt: skip
         else:
             out[name] = random_quant_weight(qtype, shape, b, key)
         try:
@@ -111,29 +115,32 @@ def shape_config(shape: str = "tiny", layers: int | None = None) -> ModelConfig:
     return cfg
 
 
-def random_weights_bytes(cfg: ModelConfig, experts: str = "q2", share: float = 1.0) -> int:
-    """Bytes :func:`random_weights` will allocate (from the layout, before building anything), with ``share`` of
-    the routed experts (an expert-parallel rank's)."""
-    kinds = {name: spec.component for name, spec in expected_tensors(cfg).items()}
-    return round(sum(b * (share if kinds[n] == "experts" else 1) for n, b in layout_sizes(cfg, experts).items()))
+def random_weights_bytes(cfg: ModelConfig, experts: str = "q2",
+                         cut: Callable[[str], tuple[int, range] | None] | None = None) -> int:  # fmt: skip
+    """Bytes :func:`random_weights` will allocate (from the layout, before building anything), with the tensors cut
+    by ``cut`` (an expert- or tensor-parallel rank's, :func:`random_weights`)."""
+    from .distributed import held_share
+
+    specs = expected_tensors(cfg)
+    return round(sum(b * held_share(cut, n, specs[n].shape) for n, b in layout_sizes(cfg, experts).items()))
 
 
 def random_model(shape: str = "tiny", experts: str = "q2", *, seed: int = 0, numerics: str = "ds4",
-                 layers: int | None = None, group: Any = None) -> tuple[Model, Any]:
+                 layers: int | None = None, group: Any = None, parallel: str = "expert") -> tuple[Model, Any]:
     """A random-weight :class:`Model` of ``shape`` -> ``(model, tokenizer)``; with ``group`` (several ranks) this
-    rank's expert-parallel share (:meth:`Model.shard_experts`).
+    rank's share, ``parallel`` ``"expert"`` or ``"tensor"`` (:meth:`Model.shard`).
 
     The tokenizer is the test factory's byte-level BPE (vocab 512, ``testing.tiny_tokenizer``) for both shapes:
     its ids are valid at the full shape's vocabulary too (text is meaningless with random weights anyway).
     """
-    from .distributed import expert_range
+    from .distributed import tensor_share
     from .testing import tiny_tokenizer
     from .tokenizer import Tokenizer
 
     cfg = shape_config(shape, layers)
-    mine = expert_range(cfg.n_expert, group.size(), group.rank()) if group is not None and group.size() > 1 else None
-    model = Model(cfg, random_weights(cfg, experts, seed, mine), numerics)
-    if mine is not None:
-        model.shard_experts(group, mine)
+    cut = tensor_share(cfg, parallel, group.size(), group.rank()) if group is not None and group.size() > 1 else None
+    model = Model(cfg, random_weights(cfg, experts, seed, cut), numerics)
+    if cut is not None:
+        model.shard(group, cut)
     return model, Tokenizer.from_gguf(tiny_tokenizer(512))
 

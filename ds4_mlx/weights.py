@@ -305,6 +305,21 @@ class QuantWeight:
         return y
 
 
+def cut_storage(data: Any, qtype: QT, shape: Sequence[int], axis: int, part: range) -> tuple[Any, tuple[int, ...]]:
+    """A tensor's stored ``data`` (numpy or MLX, as :class:`QuantWeight` stores it, or a 1-D array) cut to the
+    elements ``part`` along ``axis`` -> ``(data, shape)``. Along the rows the cut is a view; across a block type's
+    columns it cuts whole blocks out of each row (ValueError where ``part`` does not fall on block edges)."""
+    qtype, shape = QT(qtype), list(shape)
+    lo, hi = part.start, part.stop
+    if axis == len(shape) - 1 and qtype in quants.BLOCK_TYPES:
+        bs = quants.block_size(qtype)
+        if lo % bs or hi % bs:
+            raise ValueError(f"{qtype.name}: columns {lo}..{hi} do not fall on its {bs}-weight blocks")
+        lo, hi = quants.row_bytes(qtype, lo), quants.row_bytes(qtype, hi)
+    shape[axis] = len(part)
+    return data[(slice(None),) * axis + (slice(lo, hi),)], tuple(shape)
+
+
 def expert_groups(ids: np.ndarray, n_expert: int) -> list[tuple[int, np.ndarray]]:
     """``(expert, indices of the ids that name it)`` for each expert in the flat ``ids``, in expert order."""
     if ids.size and (ids.min() < 0 or ids.max() >= n_expert):

@@ -219,6 +219,20 @@ def test_expert_cache_hits_follow_the_cache_share(tmp_path):
     assert rows[0.0, 0.5]["experts_read_per_layer"] == pytest.approx(4 * (1 - rows[0.0, 0.5]["hit_rate"]), abs=0.01)
 
 
+def test_parallel_bytes_split_what_each_mode_splits(tmp_path):
+    """benchmarks/parallel_bytes.py (the layout alone): the modes hold about 1/N of the model, and each split mode
+    reads less a token than one rank, heads and experts split least of all."""
+    out = tmp_path / "bytes.json"
+    run_script("parallel_bytes", "--ranks", 2, 8, "--json", out)
+    rows = {(r["mode"], r["ranks"]): r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == [(m, n) for m in ("expert", "pipeline", "tensor") for n in (2, 8)]
+    for n in (2, 8):
+        assert rows["pipeline", n]["speedup"] == 1.0
+        assert 1 < rows["expert", n]["speedup"] < rows["tensor", n]["speedup"] < n
+        assert 86 / n < rows["tensor", n]["held_gb"] < 86 / n + 4  # the replicated part: ~3 GB
+    assert rows["tensor", 2]["messages"] == 2 * rows["expert", 2]["messages"] == 86
+
+
 @pytest.mark.parametrize("script", ["kernel_speed", "kvcache", "load", "moe_prefill", "prefill_precision",
                                     "prefill_profile"])
 def test_scripts_parse_their_arguments(script):

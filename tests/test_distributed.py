@@ -1,9 +1,11 @@
-"""Model parallel (ds4_mlx.distributed) on localhost with MLX's ring backend: a layer pipeline and the routed experts
-split by id, over 2 ranks and 3 with an uneven split, give the logits and greedy ids of one rank; a pipeline rank
-that dies ends the others with an error, not a hang."""
+"""Model parallel (ds4_mlx.distributed) on localhost with MLX's ring backend: a layer pipeline, the experts split
+(expert parallel) and the attention heads split as well (tensor parallel), over 2 ranks and 3 with an uneven split,
+give the logits and greedy ids of one rank; a rank that dies ends the others with an error, not a hang."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -15,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds4_mlx.distributed import expert_range, split_layers
+from ds4_mlx.distributed import even_split, expert_range, split_layers, tensor_share
+from ds4_mlx.kvstore import snapshot_from_payload
 from ds4_mlx.loader import load
+from ds4_mlx.session import Session
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -40,87 +44,123 @@ def test_split_layers():
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_gguf):
-    """One rank's results for tests/pipeline_rank.py's checks."""
-    path = tiny_gguf()
-    out = {}
+def reference(tiny_gguf, tmp_path_factory):
+    """One rank's results for tests/pipeline_rank.py's checks, its models, and its KV payloads as files (in
+    ``kv``, one per profile) for the ranks to restore."""
+    path, kv = tiny_gguf(), tmp_path_factory.mktemp("kv")
+    out, models = {}, {}
     for profile in ("hf", "ds4"):
-        model, tok = load(path, numerics=profile)
-        out.update({f"{profile}.{k}": v for k, v in pipeline_rank.run(model, tok).items()})
-    return path, out
+        models[profile], tok = load(path, numerics=profile)
+        out.update({f"{profile}.{k}": v for k, v in pipeline_rank.run(models[profile], tok).items()})
+        (kv / f"{profile}.kv").write_bytes(out[f"{profile}.payload"].tobytes())
+    return path, out, models, kv
 
 
 def _rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
+def _matches_one_rank(reference, tmp_path, ranks: int, layers: str, profiles: str, mode: str, ds4_tol: float):
+    """tests/pipeline_rank.py over ``ranks`` ranks against one rank: greedy ids equal, logits within the profile's
+    tolerance; a restored snapshot replays its steps exactly; one rank's KV payload restored on the ranks, and the
+    ranks' payload restored on one rank, step as one rank does."""
+    path, ref, models, kv = reference
+    out = tmp_path / "out.npz"
+    cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--python", sys.executable,
+           str(HERE / "pipeline_rank.py"), str(path), layers, profiles, str(out), mode, str(kv)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.exists(), proc.stdout + proc.stderr
+    got = dict(np.load(out))
+    for profile in profiles.split(","):
+        tol = TOL if profile == "hf" else ds4_tol
+        want = {k.split(".", 1)[1]: v for k, v in ref.items() if k.startswith(profile + ".")}
+        mine = {k.split(".", 1)[1]: v for k, v in got.items() if k.startswith(profile + ".")}
+        assert sorted(mine) == sorted([*want, "restored"])
+        assert len(want["ids"]) > 0 and mine["ids"].tolist() == want["ids"].tolist(), profile
+        for key in ("full", "chunked", "steps", "replay", "restored"):
+            assert mine[key].shape == want.get(key, want["steps"]).shape, (profile, key)
+            assert _rel(mine[key], want.get(key, want["steps"])) <= tol, (profile, key)
+        np.testing.assert_array_equal(mine["replay"], mine["steps"])
+        assert len(mine["payload"]) == len(want["payload"])  # the same file format
+        s = Session(models[profile])
+        s.restore(snapshot_from_payload(models[profile], mine["payload"].tobytes()))
+        steps = np.stack([np.array(s.step(t)) for t in pipeline_rank.PROMPT[pipeline_rank.PREFILL :]])
+        assert _rel(steps, want["steps"]) <= tol, (profile, "the ranks' payload on one rank")
+
+
 @needs_launch
 @pytest.mark.parametrize("ranks,layers,profiles", [(2, "-", "hf,ds4"), (3, "0:1,1:4,4:6", "ds4")])
 def test_pipeline_matches_one_rank(reference, tmp_path, ranks, layers, profiles):
-    path, ref = reference
-    out = tmp_path / "out.npz"
-    cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--python", sys.executable,
-           str(HERE / "pipeline_rank.py"), str(path), layers, profiles, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.exists(), proc.stdout + proc.stderr
-    got = dict(np.load(out))
-    ref = {k: v for k, v in ref.items() if k.split(".")[0] in profiles.split(",")}
-    assert sorted(got) == sorted(ref)
-    for key, want in ref.items():
-        if key.endswith(".ids"):
-            assert len(want) > 0 and got[key].tolist() == want.tolist(), key
-        else:
-            assert got[key].shape == want.shape and _rel(got[key], want) <= TOL, key
-    for profile in profiles.split(","):  # a restored snapshot replays its steps exactly
-        np.testing.assert_array_equal(got[f"{profile}.replay"], got[f"{profile}.steps"])
+    _matches_one_rank(reference, tmp_path, ranks, layers, profiles, "pipeline", TOL)
 
 
 @needs_launch
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_expert_parallel_matches_one_rank(reference, tmp_path, ranks):
-    """The routed experts split over 2 and 3 ranks (3 an uneven split): one rank's greedy ids, and its logits up
-    to the order of the sum over experts (the ranks' shares are added by one all_sum). That order alone moves the
-    `hf` profile's logits by ~1e-6; in the `ds4` profile it flips a last bit of some FP8/f16 cache roundings too,
-    ~2.4e-5 on this model, so that profile is held to 1e-4."""
-    path, ref = reference
-    out = tmp_path / "out.npz"
-    cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--python", sys.executable,
-           str(HERE / "pipeline_rank.py"), str(path), "-", "hf,ds4", str(out), "expert"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.exists(), proc.stdout + proc.stderr
-    got = dict(np.load(out))
-    assert sorted(got) == sorted(ref)
-    for key, want in ref.items():
-        if key.endswith(".ids"):
-            assert len(want) > 0 and got[key].tolist() == want.tolist(), key
-        else:
-            tol = TOL if key.startswith("hf.") else 1e-4
-            assert got[key].shape == want.shape and _rel(got[key], want) <= tol, key
-    for profile in ("hf", "ds4"):
-        np.testing.assert_array_equal(got[f"{profile}.replay"], got[f"{profile}.steps"])
+@pytest.mark.parametrize("mode,ranks", [("expert", 2), ("expert", 3), ("tensor", 2), ("tensor-driven", 2)])
+def test_split_tensors_match_one_rank(reference, tmp_path, mode, ranks):
+    """The experts split over 2 and 3 ranks (3 an uneven split), and the heads too over 2, every rank running the
+    program or rank 0 driving the other (as `serve` does): one rank's greedy ids, and its logits up to the order
+    of the sums (the ranks' shares are added by all_sum). That order alone moves the `hf` profile's logits by
+    ~1e-6; in the `ds4` profile it flips a last bit of some FP8/f16 cache roundings too, up to 7.5e-5 on this
+    model (heads split), so that profile is held to 1e-4."""
+    _matches_one_rank(reference, tmp_path, ranks, "-", "hf,ds4", mode, 1e-4)
 
 
 def test_each_expert_parallel_rank_reads_only_its_experts(tiny_gguf):
     assert [expert_range(8, 3, r) for r in range(3)] == [range(0, 2), range(2, 5), range(5, 8)]
     with pytest.raises(ValueError, match="9 ranks for 8 experts"):
         expert_range(8, 9, 0)
+    assert [even_split(256, 3, r, 32) for r in range(3)] == [range(0, 64), range(64, 160), range(160, 256)]
     path = tiny_gguf()
     whole, _ = load(path)
     ranks = [load(path, group=_Group(r, 3), parallel="expert")[0] for r in range(3)]
-    E = whole.cfg.n_expert
+    E, F = whole.cfg.n_expert, whole.cfg.n_ff_exp
     for r, m in enumerate(ranks):
-        mine = expert_range(E, 3, r)
+        mine, hidden = expert_range(E, 3, r), even_split(F, 3, r, 32)
         for b, ref in zip(m.layers, whole.layers, strict=True):
             assert b.ffn.expert_ids == mine and b.ffn.ffn_gate_exps.shape[0] == len(mine)
             want = ref.ffn.ffn_down_exps.data[mine.start : mine.stop]
             np.testing.assert_array_equal(np.array(b.ffn.ffn_down_exps.data), np.array(want))
-    routed = sum(w.data.nbytes for b in whole.layers
-                 for w in (b.ffn.ffn_gate_exps, b.ffn.ffn_up_exps, b.ffn.ffn_down_exps))  # fmt: skip
-    assert sum(m.weights_bytes for m in ranks) == 3 * whole.weights_bytes - 2 * routed  # the rest on every rank
-    with pytest.raises(ValueError, match="the modes are 'pipeline' and 'expert'"):
-        load(path, parallel="tensor")
+            got_up = b.ffn.ffn_up_shexp.dequantize()  # the shared expert's hidden units: rows of up, columns of down
+            np.testing.assert_array_equal(np.array(got_up), np.array(ref.ffn.ffn_up_shexp.dequantize()[hidden.start : hidden.stop]))
+            got_down = b.ffn.ffn_down_shexp.dequantize()
+            np.testing.assert_array_equal(np.array(got_down), np.array(ref.ffn.ffn_down_shexp.dequantize()[:, hidden.start : hidden.stop]))
+    split = sum(w.data.nbytes for b in whole.layers
+                for w in (b.ffn.ffn_gate_exps, b.ffn.ffn_up_exps, b.ffn.ffn_down_exps, b.ffn.ffn_gate_up_shexp,
+                          b.ffn.ffn_down_shexp))  # fmt: skip
+    assert sum(m.weights_bytes for m in ranks) == 3 * whole.weights_bytes - 2 * split  # the rest on every rank
+    with pytest.raises(ValueError, match="the modes are 'pipeline', 'expert', 'tensor'"):
+        load(path, parallel="heads")
     with pytest.raises(ValueError, match="this is expert parallel"):
         load(path, group=_Group(0, 2), parallel="expert", layers="0:3,3:6")
+
+
+def test_each_tensor_parallel_rank_reads_only_its_heads(tiny_gguf):
+    """With the heads split, a rank holds whole output groups: their query rows, sinks, output_a rows and
+    output_b columns; the projections every head reads (q_a, the KV row, compressors, indexer) stay whole."""
+    path = tiny_gguf()
+    whole, _ = load(path)
+    cfg = whole.cfg
+    ranks = [load(path, group=_Group(r, 2), parallel="tensor")[0] for r in range(2)]
+    per, D, L = cfg.heads_per_group, cfg.head_dim, cfg.o_lora_rank
+    for r, m in enumerate(ranks):
+        groups = even_split(cfg.n_out_group, 2, r)
+        heads = range(groups.start * per, groups.stop * per)
+        for b, ref in zip(m.layers, whole.layers, strict=True):
+            a, w = b.attn, ref.attn
+            assert (a.n_head, a.n_group) == (len(heads), len(groups)) and a.group is not None
+            for got, want in [(a.attn_q_b.dequantize(), w.attn_q_b.dequantize()[heads.start * D : heads.stop * D]),
+                              (a.attn_sinks, w.attn_sinks[heads.start : heads.stop]),
+                              (a.attn_output_a.dequantize(),
+                               w.attn_output_a.dequantize()[groups.start * L : groups.stop * L]),
+                              (a.attn_output_b.dequantize(),
+                               w.attn_output_b.dequantize()[:, groups.start * L : groups.stop * L]),
+                              (a.attn_q_a_kv.dequantize(), w.attn_q_a_kv.dequantize())]:  # fmt: skip
+                np.testing.assert_array_equal(np.array(got), np.array(want))
+    with pytest.raises(ValueError, match="3 ranks for 2 attention output groups"):
+        load(path, group=_Group(0, 3), parallel="tensor")
+    cut = tensor_share(cfg, "tensor", 2, 1)
+    assert cut("blk.0.indexer.attn_q_b.weight") is None and cut("output.weight") is None
+    assert cut("blk.0.attn_output_b.weight") == (1, range(cfg.o_lora_rank, 2 * cfg.o_lora_rank))
 
 
 def _rank_processes(launcher: int, n: int, timeout: float = 60) -> dict[int, int]:
@@ -150,7 +190,7 @@ def _alive(pid: int) -> bool:
 
 @needs_launch
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through /proc")
-@pytest.mark.parametrize("mode,victim", [("pipeline", 1), ("pipeline", 0), ("expert", 1)])
+@pytest.mark.parametrize("mode,victim", [("pipeline", 1), ("pipeline", 0), ("expert", 1), ("tensor", 0)])
 def test_lost_rank_ends_the_others(tiny_gguf, tmp_path, mode, victim):
     """A rank killed mid-generation: mlx.launch ends the other rank and returns within seconds (MLX's ring
     backend reports the lost peer, but a send queued behind the failed ones can wait forever)."""
@@ -179,36 +219,36 @@ def test_lost_rank_ends_the_others(tiny_gguf, tmp_path, mode, victim):
 
 
 @needs_launch
-def test_generate_with_the_experts_split_prints_one_ranks_text(tiny_gguf):
-    """`mlx.launch -n 2 -- ds4-mlx generate --parallel expert`: rank 0 prints what one process prints; the other
+def test_generate_with_the_heads_split_prints_one_ranks_text(tiny_gguf):
+    """`mlx.launch -n 2 -- ds4-mlx generate --parallel tensor`: rank 0 prints what one process prints; the other
     rank prints nothing."""
     args = ["generate", "-m", str(tiny_gguf()), "-p", "hello", "-n", "12", "--temp", "0", "--nothink"]
     one = subprocess.run([sys.executable, "-m", "ds4_mlx", *args], capture_output=True, text=True, timeout=120)
     two = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "ds4_mlx", *args,
-                          "--parallel", "expert"], capture_output=True, text=True, timeout=120)  # fmt: skip
+                          "--parallel", "tensor"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert one.stdout.strip() and two.stdout == one.stdout
-    assert two.stderr.count("Generation:") == 1 and "expert parallel over 2 ranks" in two.stderr
+    assert two.stderr.count("Generation:") == 1 and "tensor parallel over 2 ranks" in two.stderr
 
 
 @needs_launch
-def test_bench_with_the_experts_split(tmp_path):
-    """`mlx.launch -n 2 -- ds4-mlx bench --random-weights tiny --parallel expert`: the ranks measure in step and
+def test_bench_with_the_heads_split(tmp_path):
+    """`mlx.launch -n 2 -- ds4-mlx bench --random-weights tiny --parallel tensor`: the ranks measure in step and
     rank 0 alone reports and writes the CSV, whose system line names the split."""
     out = tmp_path / "bench.csv"
     r = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "ds4_mlx", "bench",
-                        "--random-weights", "tiny", "--parallel", "expert", "--ctx-start", "32", "--ctx-max", "64",
+                        "--random-weights", "tiny", "--parallel", "tensor", "--ctx-start", "32", "--ctx-max", "64",
                         "--step-incr", "32", "-n", "2", "--no-warmup", "--csv", str(out)],
                        capture_output=True, text=True, timeout=180)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     rows = out.read_text().splitlines()
     assert rows[0].startswith("ctx_tokens,") and [x.split(",")[0] for x in rows[1:]] == ["32", "64"]
-    assert "experts split over 2 ranks" in out.with_suffix(".system.txt").read_text()
+    assert "tensor parallel over 2 ranks" in out.with_suffix(".system.txt").read_text()
     assert r.stderr.count("memory plan:") == 1  # one rank reports
 
 
 @pytest.mark.parametrize("flags,why", [
-    (["--parallel", "tensor"], "the modes are 'pipeline', 'expert'"),
+    (["--parallel", "heads"], "the modes are 'pipeline', 'expert', 'tensor'"),
     (["--parallel", "expert", "--layers", "0:3,3:6"], "--layers splits the model over the ranks of --parallel pipeline"),
     (["--parallel", "expert"], "--parallel expert needs several ranks: start it with mlx.launch"),
 ])  # fmt: skip
@@ -244,3 +284,70 @@ def test_each_rank_reads_only_its_tensors(tiny_gguf):
     assert hasattr(stages[2].stage, "output") and not hasattr(stages[0].stage, "output")
     with pytest.raises(ValueError, match="one rank"):
         load(path, layers="0:6")
+
+
+def _chat(base: str, messages: list[dict], n: int, forced: str | None = None) -> dict:
+    import httpx
+
+    body = {"model": "deepseek-chat", "messages": messages, "max_tokens": n, "temperature": 0}  # no thinking
+    headers = {} if forced is None else {"X-DS4-Test-Output": json.dumps(forced)}  # the test hooks' forced answer
+    r = httpx.post(base + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@needs_launch
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_serve_over_two_ranks_answers_as_one(tiny_gguf, tmp_path, mode):
+    """`mlx.launch -n 2 -- ds4-mlx serve --parallel MODE --kv-disk-dir D`: rank 0 serves HTTP and drives the other
+    rank; two turns (the second reusing the first's tokens) answer what one process answers, and stopping rank
+    0's server saves the live state and releases the other rank, so the launcher exits 0. One process on D then
+    resumes a third turn from that file, with one process's answer."""
+    import httpx
+    from server_util import free_port, running_server, start_server, stop_server
+
+    # the answers forced to valid UTF-8 (the random model's own text often is not, and a client cannot replay bytes
+    # it never received), so that each turn extends the live tokens; the third answer is the model's
+    answers = ["Once upon a time.", "There was a fox."]
+    first = [{"role": "user", "content": "Tell me a story"}]
+    second = first + [{"role": "assistant", "content": answers[0]}, {"role": "user", "content": "more"}]
+    third = second + [{"role": "assistant", "content": answers[1]}, {"role": "user", "content": "go on"}]
+    turns = [(first, 50, answers[0]), (second, 50, answers[1])]
+    proc, base = start_server(tiny_gguf())
+    try:
+        want = [_chat(base, *turn) for turn in [*turns, (third, 6)]]
+    finally:
+        stop_server(proc)
+    port, kv, log = free_port(), tmp_path / "kv", tmp_path / "log"
+    kv_flags = ["--kv-disk-dir", str(kv), "--kv-cache-min-tokens", "16", "--kv-cache-boundary-align-tokens", "16"]
+    launcher = subprocess.Popen([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "ds4_mlx", "serve",
+                                 "-m", str(tiny_gguf()), "--port", str(port), "--parallel", mode, *kv_flags],
+                                stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                env={**os.environ, "DS4_MLX_TEST_HOOKS": "1"})  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and launcher.poll() is None:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                if httpx.get(base + "/health", timeout=2).json()["status"] == "ok":
+                    break
+            time.sleep(0.2)
+        got = [_chat(base, *turn) for turn in turns]
+        ranks = _rank_processes(launcher.pid, 2)
+        os.kill(ranks[0], signal.SIGTERM)
+        launcher.wait(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = log.read_text(errors="replace")
+    assert [g["choices"][0]["message"] for g in got] == [w["choices"][0]["message"] for w in want[:2]], text[-2000:]
+    cached = [r[1]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (want, got)]
+    assert cached[0] > 0 and cached[1] == cached[0]  # the second turn reused the first's tokens
+    assert launcher.returncode == 0 and f"{mode} parallel over 2 ranks" in text, text[-2000:]
+    assert list(kv.glob("*.kv")), text[-2000:]  # the shutdown save, every layer's state in one file
+    with running_server(tiny_gguf(), *kv_flags) as base:
+        resumed = _chat(base, third, 6)
+        decision = httpx.get(base + "/v1/stats").json()["last_decisions"][-1]
+    assert decision["source"] == "disk-text" and resumed["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert resumed["choices"][0]["message"] == want[2]["choices"][0]["message"]

@@ -414,7 +414,8 @@ def test_full_shape_payload_size_matches_ds4():
             c.n_index = N // 4
             c.index = mx.zeros((c.n_index, cfg.indexer_head_dim), mx.float32)
         caches.append(c)
-    fake = SimpleNamespace(model=SimpleNamespace(cfg=cfg, numerics=get_numerics("ds4")), tokens=list(range(N)), pos=N,
+    model = SimpleNamespace(cfg=cfg, numerics=get_numerics("ds4"), layer_caches=list)
+    fake = SimpleNamespace(model=model, tokens=list(range(N)), pos=N,
                            logits=mx.zeros((cfg.n_vocab,), mx.float32), caches=caches)
     assert len(session_payload(fake)) == 52_184_460
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -108,6 +108,13 @@ class LayerCache:
             raise ValueError(f"rewind point at {point.pos} tokens is ahead of the cache ({self.pos})")
         return replace(point, comp=self.comp, index=self.index)
 
+    def message(self) -> mx.array:
+        """The state as one flat float32 array (raw rows, valid compressed rows, their frontier, valid indexer
+        rows, theirs), to move it between ranks: :func:`layer_cache_from_message` reads it back."""
+        parts = [self.raw, self.comp_rows, self.comp_state and self.comp_state.fr, self.index_rows,
+                 self.index_state and self.index_state.fr]  # fmt: skip
+        return mx.concatenate([p.astype(mx.float32).reshape(-1) for p in parts if p is not None])
+
     @property
     def nbytes(self) -> int:
         """Bytes of the state's contents: the valid rows of the capacity buffers (not their spare room)."""
@@ -128,6 +135,39 @@ def make_layer_cache(cfg: ModelConfig, il: int, reserve: int = 0) -> LayerCache:
     if cfg.has_indexer(il):
         cache.index = mx.zeros((0, cfg.indexer_head_dim), mx.float32)
         cache.index_state = CompressorState.init(4, cfg.indexer_head_dim)
+    return cache
+
+
+def message_sizes(cfg: ModelConfig, il: int, pos: int) -> list[int]:
+    """The lengths of the parts of layer ``il``'s :meth:`LayerCache.message` at ``pos`` tokens: each follows from
+    the layer and the position (the raw window's rows, one compressed row per ``ratio`` tokens)."""
+    r, D, ID = cfg.compress_ratio(il), cfg.head_dim, cfg.indexer_head_dim
+    sizes = [min(pos, cfg.n_swa) * D]
+    if r:
+        coff = 2 if r == 4 else 1
+        sizes += [pos // r * D, 2 * coff * r * coff * D]
+    if cfg.has_indexer(il):
+        sizes += [pos // 4 * ID, 2 * 8 * 2 * ID]
+    return sizes
+
+
+def layer_cache_from_message(cfg: ModelConfig, il: int, pos: int, msg: mx.array, kv_dtype: mx.Dtype) -> LayerCache:
+    """Layer ``il``'s cache at ``pos`` tokens from its :meth:`LayerCache.message` (rows stored as ``kv_dtype``,
+    indexer rows as f32, as the engine keeps them)."""
+    cache = make_layer_cache(cfg, il)
+    edges = np.cumsum([0, *message_sizes(cfg, il, pos)]).tolist()
+    if msg.shape[0] != edges[-1]:
+        raise ValueError(f"layer {il} at {pos} tokens: a state of {msg.shape[0]} values, expected {edges[-1]}")
+    parts = iter(msg[a:b] for a, b in zip(edges, edges[1:]))
+    cache.pos, cache.raw = pos, next(parts).reshape(-1, cfg.head_dim).astype(kv_dtype)
+    if cache.ratio:
+        cache.comp = next(parts).reshape(-1, cfg.head_dim).astype(kv_dtype)
+        cache.n_comp = cache.comp.shape[0]
+        cache.comp_state = CompressorState(next(parts).reshape(cache.comp_state.fr.shape))
+    if cache.index is not None:
+        cache.index = next(parts).reshape(-1, cfg.indexer_head_dim)
+        cache.n_index = cache.index.shape[0]
+        cache.index_state = CompressorState(next(parts).reshape(cache.index_state.fr.shape))
     return cache
 
 
@@ -203,6 +243,7 @@ class Attention:
         self.attn_output_a = weights[p + "attn_output_a.weight"]  # [G*o_lora, (H/G)*D]
         self.attn_output_b = weights[p + "attn_output_b.weight"]  # [E, G*o_lora]
         self._output_a_groups = None  # attn_output_a as (G, o_lora, in) "experts", for prefill
+        self.group = None  # tensor parallel: the ranks, which add their heads' outputs (shard_heads)
 
         self.compressor = self.indexer = None
         if self.ratio:
@@ -273,7 +314,7 @@ class Attention:
                 outs.append(self._attend_block(q[i0:i1], qa[i0:i1], n[i0:i1], pos, i0, raw_keys, keep, cache))
             o = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [T, H, D]
         o = apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
-        y = self.attn_output_b.matmul(self._grouped_output_a(o))  # [T, E]
+        y = self._output(o)  # [T, E]
 
         cache.raw = (raw_keys[-W:] if raw_keys.shape[0] > W else raw_keys).astype(self.kv_dtype)
         cache.pos = pos + T
@@ -340,7 +381,7 @@ class Attention:
         elif self.ratio:
             comp_proj = self.compressor.project_one(n)
         o, st = self._attend_state(q, qa, comp_proj, index_proj, hw, st, io, key)
-        return self.attn_output_b.matmul(self._grouped_output_a(o)), st
+        return self._output(o), st
 
     def decode_batch(
         self, n: mx.array, sts: list[dict], ios: list[dict], keys: tuple[DecodeKey, ...]
@@ -376,7 +417,7 @@ class Attention:
             outs.append(o)
             new.append(st)
         o = mx.concatenate(outs) if B > 1 else outs[0]  # [B, H, D]
-        return self.attn_output_b.matmul(self._grouped_output_a(o)), new
+        return self._output(o), new
 
     def _attend_state(self, q, qa, comp_proj, index_proj, hw, st: dict, io: dict, key: DecodeKey
                       ) -> tuple[mx.array, dict]:  # fmt: skip
@@ -476,6 +517,24 @@ class Attention:
 
         comp = None if comp is None else comp.astype(mx.float32)
         return attend(q, raw, raw_mask, comp, gathered, comp_mask, self.attn_sinks, self.scale)
+
+    def shard_heads(self, group: Any, heads: range) -> None:
+        """Tensor parallel: this layer holds the attention heads ``heads`` (whole output groups: their query rows,
+        sinks and output products) of the ranks of ``group``, which add their outputs (:meth:`_output`)."""
+        per = self.cfg.heads_per_group
+        if len(heads) % per or heads.start % per:
+            raise ValueError(f"layer {self.il}: heads {heads} are not whole output groups of {per}")
+        held = (self.attn_sinks.shape[0], self.attn_q_b.out_features // self.head_dim,
+                self.attn_output_a.out_features // self.o_lora * per, self.attn_output_b.in_features // self.o_lora * per)
+        if set(held) != {len(heads)}:
+            raise ValueError(f"layer {self.il}: sinks, q_b, output_a and output_b hold {held} heads, not the "
+                             f"{len(heads)} of {heads}")  # fmt: skip
+        self.n_head, self.n_group, self.group = len(heads), len(heads) // per, group
+
+    def _output(self, o: mx.array) -> mx.array:
+        """``y = attn_output_b @ blockdiag(attn_output_a) o`` -> ``[T, E]``; with heads split, the ranks' sum."""
+        y = self.attn_output_b.matmul(self._grouped_output_a(o))
+        return y if self.group is None else mx.distributed.all_sum(y, group=self.group)
 
     def _grouped_output_a(self, o: mx.array) -> mx.array:
         """``low [T, G*o_lora]``: group g (heads g*H/G ..) times its own o_lora rows of attn_output_a."""

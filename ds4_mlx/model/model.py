@@ -170,7 +170,7 @@ class Model:
             self.output_norm = weights["output_norm.weight"]  # [E]
             self.output = weights["output.weight"]  # [V, E] Q8_0 (not tied to the embedding)
         self.expert_cache = None  # where the routed experts stream from (stream_experts), if they do
-        self.group, self.rank = None, 0  # expert parallel: the ranks and this one's (shard_experts)
+        self.group, self.rank = None, 0  # expert or tensor parallel: the ranks and this one's (shard)
         # Evaluate the state layer by layer (two at most in flight) when a call has at least this many tokens:
         # bounds the memory of long prefill chunks; single-token decode stays one lazy graph.
         self.eval_layers_from = 64
@@ -194,11 +194,17 @@ class Model:
         self.weights_bytes += cache.nbytes
         self.set_compile_decode(False)
 
-    def shard_experts(self, group: Any, experts: range) -> None:
-        """Expert parallel (:mod:`ds4_mlx.distributed`): this rank holds ``experts`` of every layer's routed experts
-        and the layers add the ranks' shares. The ``all_sum`` is queued as a step is built and steps run op by op."""
+    def shard(self, group: Any, cut: Callable[[str], tuple[int, range] | None]) -> None:
+        """Expert or tensor parallel (:mod:`ds4_mlx.distributed`): this rank holds the tensors cut by ``cut``
+        (:func:`~ds4_mlx.distributed.tensor_share`), and the layers add the ranks' shares: the MoE always, the
+        attention where its heads are split. The ``all_sum`` calls are queued as a step is built and steps run op
+        by op."""
         for layer in self.layers:
-            layer.ffn.shard_experts(group, experts)
+            p = f"blk.{layer.il}."
+            layer.ffn.shard(group, cut(p + "ffn_gate_exps.weight")[1])
+            heads = cut(p + "attn_sinks.weight")
+            if heads is not None:
+                layer.attn.shard_heads(group, heads[1])
         self.group, self.rank = group, group.rank()
         self.queues_while_building = True
         self.set_compile_decode(False)
@@ -215,6 +221,15 @@ class Model:
         """Fresh per-layer KV state (raw window, compressed rows, compressor/indexer frontiers); the
         compressed-row buffers are sized for ``reserve`` tokens when they are first written."""
         return [make_layer_cache(self.cfg, il, reserve) for il in self.layer_range]
+
+    def layer_caches(self, caches: list[LayerCache]) -> list[LayerCache]:
+        """Every layer's cache of a session's ``caches`` (what a KV file saves): here the caches themselves; a model
+        over several ranks (:mod:`ds4_mlx.distributed`) fetches the other ranks' layers."""
+        return list(caches)
+
+    def adopt_caches(self, caches: Sequence[LayerCache]) -> list[LayerCache]:
+        """The inverse of :meth:`layer_caches`: a session's caches from every layer's (a restored KV file)."""
+        return list(caches)
 
     def embed(self, tokens: mx.array) -> mx.array:
         """``tokens [T]`` -> initial state ``[T, n_hc, E]``: every stream is the f16 embedding row (§4.2)."""
@@ -251,12 +266,14 @@ class Model:
         caches: list[LayerCache],
         *,
         all_logits: bool = False,
+        head: bool = True,
         should_stop: Callable[[], bool] | None = None,
-    ) -> mx.array:
+    ) -> mx.array | None:
         """Run ``tokens [T]`` at positions ``pos..pos+T-1``, updating ``caches`` in place.
 
         Returns the next-token logits of the last token ``[V]`` (f32), or ``[T, V]`` for every
-        position with ``all_logits=True``. ``should_stop`` (several tokens only): checked after each layer,
+        position with ``all_logits=True``; with ``head=False`` (several tokens: a prefill chunk whose logits
+        nobody reads) only the caches, and None. ``should_stop`` (several tokens only): checked after each layer,
         whose state is then evaluated; when it returns true, :class:`PrefillCancelled` is raised and ``caches``
         are left part-way (the caller rolls them back, as ``Session.prefill`` does).
         """
@@ -266,6 +283,8 @@ class Model:
             logits = self._decode_head(*self.decode_layers((S,), tokens, pos, caches))
             return logits if all_logits else logits[0]
         S = self.prefill_layers(S, tokens, pos, caches, should_stop=should_stop)
+        if not head:
+            return None
         return self.head(S) if all_logits else self.head(S[-1:])[0]
 
     def decode_layers(self, carry: tuple, tokens: mx.array, pos: int, caches: list[LayerCache]) -> tuple:

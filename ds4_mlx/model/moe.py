@@ -52,7 +52,7 @@ class MoE:
         self.quantized_x = bool(getattr(numerics, "quantized_x", False)) and takes_quantized_x(
             self.ffn_gate_exps, self.ffn_up_exps, self.ffn_gate_up_shexp)
         self.streamed = None  # an ExpertCache where the routed experts stay in the file (Model.stream_experts)
-        self.group, self.expert_ids = None, None  # expert parallel: the ranks, and the experts this one holds
+        self.group, self.expert_ids = None, None  # expert parallel: the ranks, and the routed experts this one holds
 
     def route(self, n: mx.array, tokens: mx.array, packed: bool = False) -> tuple[mx.array, mx.array | None]:
         """Router: normed input ``n [T, E]``, token ids ``[T]`` -> (expert ids int32 [T,k], weights [T,k]).
@@ -154,24 +154,25 @@ class MoE:
             y = self.routed(n, sel, w, add=self.shared(n), experts=(gate, up, down))
         return y
 
-    def shard_experts(self, group: Any, experts: range) -> None:
-        """Expert parallel: this layer holds the routed experts ``experts`` (its expert tensors are those rows) of
-        the ranks of ``group``, which add their routed outputs (:meth:`_forward_sharded`)."""
+    def shard(self, group: Any, experts: range) -> None:
+        """Expert parallel: this layer holds the routed experts ``experts`` (its expert tensors are those rows) and
+        a part of the shared expert's hidden units, of the ranks of ``group``, which add their outputs
+        (:meth:`_forward_sharded`)."""
         if self.ffn_gate_exps.shape[0] != len(experts):
             raise ValueError(f"layer {self.il}: {self.ffn_gate_exps.shape[0]} routed experts held for the "
                              f"{len(experts)} of {experts}")  # fmt: skip
         self.group, self.expert_ids = group, experts
 
     def _forward_sharded(self, n, tokens: mx.array) -> mx.array:
-        """:meth:`forward` with this rank's share of the routed experts: the pairs routed elsewhere go to a local
-        expert with route weight 0 (so every product keeps its shape and path), one ``all_sum`` over the ranks
-        adds the shares, and the shared expert follows once."""
+        """:meth:`forward` with this rank's share of the experts: the pairs routed elsewhere go to a local expert
+        with route weight 0 (so every product keeps its shape and path), and one ``all_sum`` over the ranks adds
+        the shares of the routed and the shared experts."""
         n = cols(n, self.ffn_gate_inp.in_features)
         sel, w = self.route(n, tokens)
         e0 = self.expert_ids.start
         here = (sel >= e0) & (sel < self.expert_ids.stop)
-        routed = self.routed(n, mx.where(here, sel - e0, 0), mx.where(here, w, 0.0))
-        return mx.distributed.all_sum(routed, group=self.group) + self.shared(n)
+        routed = self.routed(n, mx.where(here, sel - e0, 0), mx.where(here, w, 0.0), add=self.shared(n))
+        return mx.distributed.all_sum(routed, group=self.group)
 
     def _forward_streamed(self, n, tokens: mx.array, nq) -> mx.array:
         """:meth:`forward` with the routed experts read on demand (:mod:`ds4_mlx.streaming`): the host waits for

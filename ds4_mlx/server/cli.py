@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional
 import typer
 
 from ..chat import ThinkMode
-from ..cli_common import SsdCacheOpt, SsdStreamingOpt, check_sampling, expert_cache_size
+from ..cli_common import (LayersOpt, ParallelOpt, SsdCacheOpt, SsdStreamingOpt, check_sampling, expert_cache_size,
+                          parallel_group)
 from ..kvstore import CachePolicy
 from ..session import DEFAULT_CHUNK
 from .common import DEFAULT_MAX_BODY_MB
@@ -39,26 +40,41 @@ def _tracer(path: Path | None) -> Callable[[str], None] | None:
 
 
 def model_loader(path: Path, ctx: int, chunk: int | None = None, cache_limit_gb: float | None = None,
-                 expert_cache: str | None = None) -> Callable[[], tuple[Any, Any]]:  # fmt: skip
+                 expert_cache: str | None = None, group: Any = None, parallel: str | None = None,
+                 layers: str | None = None) -> Callable[[], tuple[Any, Any]]:  # fmt: skip
     """A loader for the worker thread: ``load(path)`` -> a live :class:`Session` and the tokenizer. The session's
     KV buffers are sized for ``ctx`` tokens, as ds4 sizes its KV for ``--ctx``: within the context they never
     grow, so no generation stops for a buffer copy, a retrace and (on GPUs) kernel JITs at the new shapes.
     ``chunk``: the prefill chunk (default the session's); MLX's buffer cache is limited for the model's size
     (:func:`~ds4_mlx.memory.set_memory_limits`, ``cache_limit_gb`` to choose); ``expert_cache``: stream the
-    routed experts through a cache of that size (:func:`~ds4_mlx.loader.load`)."""
+    routed experts through a cache of that size (:func:`~ds4_mlx.loader.load`). ``group``, ``parallel``,
+    ``layers``: rank 0's part of a model over several ranks (:func:`load_parallel`)."""
 
     def load():
         from ..loader import load as load_gguf
         from ..memory import set_memory_limits
         from ..session import DEFAULT_CHUNK, Session
 
-        model, tokenizer = load_gguf(path, expert_cache=expert_cache)
+        if group is None:
+            model, tokenizer = load_gguf(path, expert_cache=expert_cache)
+        else:
+            model, tokenizer = load_parallel(path, group, parallel, layers)
         if tokenizer is None:
             raise RuntimeError(f"{path}: no usable tokenizer in the GGUF")
         set_memory_limits(model.weights_bytes, cache_gb=cache_limit_gb)
         return Session(model, chunk_size=chunk or DEFAULT_CHUNK, reserve=ctx), tokenizer
 
     return load
+
+
+def load_parallel(path: Path, group: Any, parallel: str, layers: str | None) -> tuple[Any, Any]:
+    """This rank's part of a model served over the ranks of ``group``, every mode driven by rank 0 (requests
+    arrive there): rank 0's model for ``Session`` and the tokenizer, or a follower to ``run()`` and None."""
+    from ..distributed import lockstep
+    from ..loader import load
+
+    model, tokenizer = load(path, group=group, parallel=parallel, layers=layers)
+    return (model, tokenizer) if parallel == "pipeline" else (lockstep(model, group), tokenizer)
 
 
 def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", port: int = 8000, ctx: int = 32768,
@@ -170,6 +186,8 @@ def serve(
     mixed_prefill_quantum: int = typer.Option(DEFAULT_PREFILL_QUANTUM, "--mixed-prefill-quantum",
                                               help="With --batched-session: prompt tokens prefilled between two "
                                                    "decode steps of the other sessions."),
+    parallel: Optional[str] = ParallelOpt,
+    layers: Optional[str] = LayersOpt,
 ) -> None:
     """Serve the model over HTTP: OpenAI (chat, completions, responses) and Anthropic (messages) APIs."""
     if think not in ("none", "high", "max"):
@@ -221,6 +239,15 @@ def serve(
     except (DS4FormatError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
+    group = None
+    if parallel is not None:
+        for flag, on in [("--batched-session", batched_session != 1), ("--ssd-streaming", expert_cache is not None)]:
+            if on:
+                typer.echo(f"error: {flag} is not available with --parallel", err=True)
+                raise typer.Exit(2)
+        group = parallel_group(parallel, layers)
+        if group.rank() > 0:
+            _follow_rank_0(model, group, parallel, layers)
     sessions = 1
     if batched_session != 1:  # the live sessions' KV at --ctx must fit beside the weights
         from ..memory import plan_sessions
@@ -231,14 +258,29 @@ def serve(
             typer.echo(f"error: {e} (lower --batched-session or --ctx)", err=True)
             raise typer.Exit(2)
     try:
-        run_server(model_loader(model, ctx, prefill_chunk, cache_limit_gb, expert_cache), host=host, port=port, ctx=ctx, default_max_tokens=tokens,
+        run_server(model_loader(model, ctx, prefill_chunk, cache_limit_gb, expert_cache, group, parallel, layers),
+                   host=host, port=port, ctx=ctx, default_max_tokens=tokens,
                    default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
                    cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,
                    tool_memory_max_ids=0 if disable_exact_dsml_tool_replay else tool_memory_max_ids,
-                   banner=f"model {model} ", kv_dir=kv_disk_dir, kv_policy=kv_policy, max_body_mb=max_body_mb,
+                   banner=f"model {model} " + (f"{parallel} parallel over {group.size()} ranks " if group else ""),
+                   kv_dir=kv_disk_dir, kv_policy=kv_policy, max_body_mb=max_body_mb,
                    sessions=sessions, prefill_quantum=mixed_prefill_quantum)
     except KeyboardInterrupt:  # a second Ctrl+C while the worker was finishing: leave without waiting
         _exit(130)
+    _exit(0)
+
+
+def _follow_rank_0(path: Path, group: Any, parallel: str, layers: str | None) -> None:
+    """A rank after the first of ``serve --parallel``: load its part, serve rank 0's commands until rank 0's
+    server stops, and exit (a lost rank ends it with an error, :func:`~ds4_mlx.cli_common.follow`)."""
+    from ..cli_common import fail, follow
+
+    try:
+        follower, _ = load_parallel(path, group, parallel, layers)
+    except ValueError as e:
+        fail(str(e))
+    follow(follower)
     _exit(0)
 
 

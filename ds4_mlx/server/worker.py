@@ -366,6 +366,9 @@ class Worker:
                 job.post("error", 503, "server shutting down")
         for slot in self.slots:
             self._save_live(slot, "shutdown", slot.bindings.get("responses"))
+        release = getattr(self.session.model, "close", None) if self.slots else None
+        if release is not None:  # a model over several ranks: the others stop following
+            release()
 
     def _refuse_early(self, job: Job) -> bool:
         """Answer a job that cannot start (shutting down, no model, client gone); True if it was answered."""

@@ -1,0 +1,65 @@
+"""What a rank of each parallel mode holds and reads per decoded token, from the layout (nothing is run): the
+full V4 Flash shape with q2 experts, ``layout.decode_bytes_per_token`` at a context, each tensor scaled by the
+share a rank holds (``distributed.tensor_share``; the pipeline: the layers of rank 0 of an even split).
+
+    python benchmarks/parallel_bytes.py [--ctx 2048] [--ranks 2 4 8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ds4_mlx.distributed import held_share, split_layers, tensor_share
+from ds4_mlx.layout import decode_bytes_per_token, expected_tensors, layout_sizes
+from ds4_mlx.model.model import stage_tensor
+from ds4_mlx.random_model import shape_config
+
+
+def per_rank(mode: str, n: int, ctx: int) -> dict[str, float]:
+    """GB rank 0 holds and reads per decoded token (rank 0 of a pipeline: its layers, the embedding), and the
+    messages a token takes (all-sums, or hops along the pipeline and the logits back)."""
+    cfg = shape_config("full")
+    specs, sizes = expected_tensors(cfg), layout_sizes(cfg, "q2")
+    if mode == "pipeline":
+        layers = split_layers(cfg.n_layer, n)[0]
+        share = {name: float(stage_tensor(name, layers, cfg.n_layer)) for name in sizes}
+        messages = n  # the state to each next rank, the logits back
+    else:
+        cut = tensor_share(cfg, mode, n, 0)
+        share = {name: held_share(cut, name, specs[name].shape) for name in sizes}
+        messages = cfg.n_layer * (2 if mode == "tensor" else 1)
+    held = {name: b * share[name] for name, b in sizes.items()}
+    reads = decode_bytes_per_token(cfg, held, ctx)
+    reads.pop("kv cache")  # replicated, or the stage's own: small at 2K either way
+    return {"held_gb": sum(held.values()) / 1e9, "read_gb": sum(reads.values()) / 1e9, "messages": messages}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--json", help="write the table here as JSON")
+    args = ap.parse_args()
+    whole = per_rank("pipeline", 1, args.ctx)["read_gb"]  # one rank holds everything
+    rows = []
+    for mode in ("pipeline", "expert", "tensor"):
+        for n in args.ranks:
+            if mode == "tensor" and n > shape_config("full").n_out_group:
+                continue
+            row = {"mode": mode, "ranks": n, **per_rank(mode, n, args.ctx)}
+            # decode's best speed-up from reads: a pipeline's ranks read one after another
+            row["speedup"] = 1.0 if mode == "pipeline" else whole / row["read_gb"]
+            rows.append(row)
+    print(f"one rank reads {whole:.2f} GB a token at {args.ctx} positions")
+    print(f"{'mode':<9} {'ranks':>5} {'held GB':>8} {'read GB/token':>14} {'speed-up':>9} {'messages/token':>15}")
+    for r in rows:
+        print(f"{r['mode']:<9} {r['ranks']:>5} {r['held_gb']:>8.1f} {r['read_gb']:>14.2f} {r['speedup']:>8.2f}x "
+              f"{r['messages']:>15}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ctx": args.ctx, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
