@@ -17,7 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench as B
-from .cli_common import SsdCacheOpt, SsdStreamingOpt, check_output_file, expert_cache_size, fail, parallel_group
+from .cli_common import (SsdCacheOpt, SsdStreamingOpt, check_output_file, expert_cache_size, fail, follow, lead,
+                         parallel_group)
+from .distributed import PipelineFollower
 from .session import DEFAULT_CHUNK
 
 bench_app = typer.Typer(
@@ -65,8 +67,9 @@ def bench(
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
     parallel: Optional[str] = typer.Option(
-        None, "--parallel", help="'expert': this rank's share of the routed and shared experts; 'tensor': of the "
-        "attention heads too. The ranks, started by mlx.launch, run in step (rank 0 prints and writes the outputs)."),
+        None, "--parallel", help="Over the ranks started by mlx.launch: 'pipeline' splits the layers evenly (rank 0 "
+        "measures, the others follow); 'expert' gives each rank a share of the routed and shared experts, 'tensor' "
+        "of the attention heads too (the ranks run in step). Rank 0 prints and writes the outputs."),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (a throwaway session that decodes 4 steps just below 4 x indexer top-k tokens and 4 more after one chunk past it, so kernel compilation and the decode-step traces are not timed)."),
 ) -> None:
     """Measure prefill and decode speed at each context frontier, ds4-bench's way (docs/serving.md §7)."""
@@ -83,8 +86,6 @@ def bench(
         fail(f"--experts must be q2 or q4, got {experts!r}")
     if gen_tokens < 1 or chunk < 1:
         fail("--gen-tokens and --chunk must be > 0")
-    if parallel not in (None, "expert", "tensor"):
-        fail(f"bench --parallel {parallel!r}: the modes here are 'expert' and 'tensor'")
     if parallel is not None and expert_cache is not None:
         fail(f"--ssd-streaming is not available with --parallel {parallel}")
     group = parallel_group(parallel, None)
@@ -105,18 +106,22 @@ def bench(
     n_ctx = points[-1] + gen_tokens + 1  # ds4-bench's --ctx-alloc default
 
     # ---- plan memory before loading anything
-    from .distributed import held_share, tensor_share
+    from .distributed import held_share, pipeline_stage, tensor_share
     from .random_model import random_weights_bytes, shape_config
 
-    def share(cfg):  # this rank's cut of the tensors, for the memory plan
+    def share(cfg):  # (cut, keep): this rank's part of the tensors, for the memory plan
         try:
-            return None if group is None else tensor_share(cfg, parallel, group.size(), group.rank())
+            if group is None:
+                return None, None
+            if parallel == "pipeline":
+                return None, pipeline_stage(cfg, group.size(), group.rank())[1]
+            return tensor_share(cfg, parallel, group.size(), group.rank()), None
         except ValueError as e:
             fail(str(e))
 
     if random_weights is not None:
         cfg = shape_config(random_weights, layers)
-        weights_bytes = random_weights_bytes(cfg, experts, share(cfg))
+        weights_bytes = random_weights_bytes(cfg, experts, *share(cfg))
         desc = f"random {random_weights} shape ({cfg.n_layer} layers, seed {seed})"
         quant = f"{experts} experts"
     else:
@@ -126,8 +131,8 @@ def bench(
             g = open_gguf(model)
         except (DS4FormatError, OSError) as e:
             fail(str(e))
-        cfg, cut = g.config, share(g.config)
-        weights_bytes = round(sum(t.nbytes * held_share(cut, n, t.shape) for n, t in g.tensors.items()))
+        cfg, (cut, keep) = g.config, share(g.config)
+        weights_bytes = round(sum(t.nbytes * held_share(cut, n, t.shape, keep) for n, t in g.tensors.items()))
         if expert_cache is not None:
             from .loader import check_expert_cache
 
@@ -167,6 +172,8 @@ def bench(
             m, tok = load(model, numerics, expert_cache=expert_cache, group=group, parallel=parallel or "pipeline")
         except ValueError as e:
             fail(str(e))
+    if isinstance(m, PipelineFollower):
+        return follow(m)  # rank 0 measures
     load_s = time.perf_counter() - t0
     from .memory import set_memory_limits
 
@@ -215,7 +222,7 @@ def bench(
                   f"{proc:>12}")
 
     try:
-        with err.status("warming up (JIT) ..." if not no_warmup else "running ..."):
+        with err.status("warming up (JIT) ..." if not no_warmup else "running ..."), lead(m):
             result = B.run_bench(m, ids, points, gen_tokens, eos_id=eos, chunk=chunk, warmup=not no_warmup,
                                  system=system, on_row=on_row)
     except B.BenchError as e:

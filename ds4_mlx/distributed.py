@@ -48,7 +48,7 @@ import mlx.core as mx
 
 from .model.attention import LayerCache, layer_cache_from_message, message_sizes
 from .model.fused import hc_post
-from .model.model import Model, token_array
+from .model.model import Model, stage_tensor, token_array
 
 HEADER_LEN = 5
 
@@ -127,8 +127,12 @@ def tensor_share(cfg: Any, mode: str, size: int, rank: int) -> Callable[[str], C
     return cut
 
 
-def held_share(cut: Callable[[str], Cut | None] | None, name: str, shape: Sequence[int]) -> float:
-    """The share of the tensor ``name`` of ``shape`` that a rank cutting by ``cut`` holds (1 for a whole one)."""
+def held_share(cut: Callable[[str], Cut | None] | None, name: str, shape: Sequence[int],
+               keep: Callable[[str], bool] | None = None) -> float:  # fmt: skip
+    """The share of the tensor ``name`` of ``shape`` that a rank holds: none unless ``keep`` keeps it (a pipeline
+    stage's), the part ``cut`` cuts, else all of it."""
+    if keep is not None and not keep(name):
+        return 0.0
     part = None if cut is None else cut(name)
     return 1.0 if part is None else len(part[1]) / shape[part[0]]
 
@@ -157,6 +161,14 @@ def split_layers(n_layer: int, size: int, spec: str | None = None) -> list[range
     if start != n_layer:
         raise ValueError(f"--layers {spec!r} ends at layer {start}; the model has {n_layer} layers")
     return ranges
+
+
+def pipeline_stage(cfg: Any, size: int, rank: int, spec: str | None = None) -> tuple[list[range], Callable[[str], bool]]:
+    """Every rank's layers of a pipeline (:func:`split_layers`) and which tensors rank ``rank`` holds: its layers',
+    the embedding on the first rank, the output head on the last (:func:`~ds4_mlx.model.model.stage_tensor`)."""
+    split = split_layers(cfg.n_layer, size, spec)
+    mine = split[rank]
+    return split, lambda name: stage_tensor(name, mine, cfg.n_layer)
 
 
 class _Chain:

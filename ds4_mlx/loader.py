@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .gguf_file import load_weights, open_gguf
-from .model.model import Model, stage_tensor
+from .model.model import Model
 from .numerics import Numerics
 
 
@@ -45,7 +45,7 @@ def load(
     attention heads too (:func:`~ds4_mlx.distributed.tensor_share`), and gets a model and the tokenizer, to run in
     step with the others. A group of one rank loads as without.
     """
-    from .distributed import PARALLEL_MODES
+    from .distributed import PARALLEL_MODES, pipeline_stage
 
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel={parallel!r}: the modes are {', '.join(map(repr, PARALLEL_MODES))}")
@@ -62,7 +62,7 @@ def load(
         from .mlx_dir import open_mlx_dir
 
         config, weights, tokenizer_data = open_mlx_dir(path)
-        stages, keep = _stage(config, group, layers) if pipeline else (None, None)
+        stages, keep = pipeline_stage(config, group.size(), group.rank(), layers) if pipeline else (None, None)
         head_rows = _head_rows(weights["output.weight"]) if pipeline else None
         weights = weights if keep is None else {n: w for n, w in weights.items() if keep(n)}
         cut = _share(config, group, parallel) if split else None
@@ -72,7 +72,7 @@ def load(
         gguf = open_gguf(path)
         read = None if progress is None else lambda done, total: progress("reading", done, total)
         config, tokenizer_data = gguf.config, gguf.tokenizer
-        stages, keep = _stage(config, group, layers) if pipeline else (None, None)
+        stages, keep = pipeline_stage(config, group.size(), group.rank(), layers) if pipeline else (None, None)
         head_rows = _head_rows(gguf.tensors["output.weight"]) if pipeline else None
         cut = _share(config, group, parallel) if split else None
         weights = load_weights(gguf, read, stream_experts=expert_cache is not None, keep=keep, cut=cut)
@@ -103,15 +103,6 @@ def _tokenizer(tokenizer_data: Any) -> Any:
     except ImportError:
         return None
     return Tokenizer.from_gguf(tokenizer_data)
-
-
-def _stage(config: Any, group: Any, layers: str | None) -> tuple[list[range], Callable[[str], bool]]:
-    """Every rank's layers and which tensors this rank reads."""
-    from .distributed import split_layers
-
-    split = split_layers(config.n_layer, group.size(), layers)
-    mine = split[group.rank()]
-    return split, lambda name: stage_tensor(name, mine, config.n_layer)
 
 
 def _head_rows(w: Any) -> Any:

@@ -67,18 +67,22 @@ def random_quant_weight(qtype: T, shape: tuple[int, ...], std: float, key: mx.ar
 
 
 def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0,
-                   cut: Callable[[str], tuple[int, range] | None] | None = None) -> dict:  # fmt: skip
+                   cut: Callable[[str], tuple[int, range] | None] | None = None,
+                   keep: Callable[[str], bool] | None = None) -> dict:  # fmt: skip
     """``{gguf name: QuantWeight | mx.array}`` for every tensor of the layout, random, in device memory.
 
     Each tensor is evaluated as soon as it is built, so peak memory stays at the weights' size. ``cut``: an expert-
     or tensor-parallel rank's share (:func:`ds4_mlx.distributed.tensor_share`): a tensor it cuts is drawn at its
-    cut shape from its own key, so every rank draws the same other weights.
+    cut shape from its own key, so every rank draws the same other weights. ``keep``: only the tensors it keeps
+    (a pipeline stage's, :func:`ds4_mlx.distributed.pipeline_stage`).
     """
     if experts not in EXPERT_VARIANTS:
         raise ValueError(f"experts must be one of {sorted(EXPERT_VARIANTS)}, got {experts!r}")
     mx.random.seed(seed)
     out = {}
     for name, spec in expected_tensors(cfg).items():
+        if keep is not None and not keep(name):
+            continue
         shape, qtype, key = spec.shape, spec.types[0], None
         if spec.component == "experts":
             qtype = expert_type(name, experts)
@@ -116,31 +120,42 @@ def shape_config(shape: str = "tiny", layers: int | None = None) -> ModelConfig:
 
 
 def random_weights_bytes(cfg: ModelConfig, experts: str = "q2",
-                         cut: Callable[[str], tuple[int, range] | None] | None = None) -> int:  # fmt: skip
+                         cut: Callable[[str], tuple[int, range] | None] | None = None,
+                         keep: Callable[[str], bool] | None = None) -> int:  # fmt: skip
     """Bytes :func:`random_weights` will allocate (from the layout, before building anything), with the tensors cut
-    by ``cut`` (an expert- or tensor-parallel rank's, :func:`random_weights`)."""
+    by ``cut`` and kept by ``keep`` (a rank's, :func:`random_weights`)."""
     from .distributed import held_share
 
     specs = expected_tensors(cfg)
-    return round(sum(b * held_share(cut, n, specs[n].shape) for n, b in layout_sizes(cfg, experts).items()))
+    return round(sum(b * held_share(cut, n, specs[n].shape, keep) for n, b in layout_sizes(cfg, experts).items()))
 
 
 def random_model(shape: str = "tiny", experts: str = "q2", *, seed: int = 0, numerics: str = "ds4",
-                 layers: int | None = None, group: Any = None, parallel: str = "expert") -> tuple[Model, Any]:
+                 layers: int | None = None, group: Any = None, parallel: str = "expert") -> tuple[Any, Any]:
     """A random-weight :class:`Model` of ``shape`` -> ``(model, tokenizer)``; with ``group`` (several ranks) this
-    rank's share, ``parallel`` ``"expert"`` or ``"tensor"`` (:meth:`Model.shard`).
+    rank's part, as :func:`ds4_mlx.loader.load` gives it: ``parallel="expert"`` or ``"tensor"`` a share of every
+    layer (:meth:`Model.shard`); ``"pipeline"`` an even split of the layers, rank 0's ``PipelineModel`` (with the
+    tokenizer) or another rank's ``PipelineFollower`` (and None).
 
     The tokenizer is the test factory's byte-level BPE (vocab 512, ``testing.tiny_tokenizer``) for both shapes:
     its ids are valid at the full shape's vocabulary too (text is meaningless with random weights anyway).
     """
-    from .distributed import tensor_share
+    from .distributed import PipelineFollower, PipelineModel, pipeline_stage, tensor_share
     from .testing import tiny_tokenizer
     from .tokenizer import Tokenizer
 
     cfg = shape_config(shape, layers)
-    cut = tensor_share(cfg, parallel, group.size(), group.rank()) if group is not None and group.size() > 1 else None
+    tokenizer = Tokenizer.from_gguf(tiny_tokenizer(512))
+    if group is None or group.size() == 1:
+        return Model(cfg, random_weights(cfg, experts, seed), numerics), tokenizer
+    if parallel == "pipeline":
+        split, keep = pipeline_stage(cfg, group.size(), group.rank())
+        stage = Model(cfg, random_weights(cfg, experts, seed, keep=keep), numerics, layers=split[group.rank()])
+        if group.rank() > 0:
+            return PipelineFollower(stage, group, split), None
+        return PipelineModel(stage, group, split), tokenizer
+    cut = tensor_share(cfg, parallel, group.size(), group.rank())
     model = Model(cfg, random_weights(cfg, experts, seed, cut), numerics)
-    if cut is not None:
-        model.shard(group, cut)
-    return model, Tokenizer.from_gguf(tiny_tokenizer(512))
+    model.shard(group, cut)
+    return model, tokenizer
 

@@ -232,18 +232,20 @@ def test_generate_with_the_heads_split_prints_one_ranks_text(tiny_gguf):
 
 
 @needs_launch
-def test_bench_with_the_heads_split(tmp_path):
-    """`mlx.launch -n 2 -- ds4-mlx bench --random-weights tiny --parallel tensor`: the ranks measure in step and
-    rank 0 alone reports and writes the CSV, whose system line names the split."""
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_bench_over_two_ranks(tmp_path, mode):
+    """`mlx.launch -n 2 -- ds4-mlx bench --random-weights tiny --parallel MODE`: the ranks measure together (in
+    step, or rank 0 driving the pipeline) and rank 0 alone reports and writes the CSV, whose system line names the
+    split."""
     out = tmp_path / "bench.csv"
     r = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "ds4_mlx", "bench",
-                        "--random-weights", "tiny", "--parallel", "tensor", "--ctx-start", "32", "--ctx-max", "64",
+                        "--random-weights", "tiny", "--parallel", mode, "--ctx-start", "32", "--ctx-max", "64",
                         "--step-incr", "32", "-n", "2", "--no-warmup", "--csv", str(out)],
                        capture_output=True, text=True, timeout=180)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     rows = out.read_text().splitlines()
     assert rows[0].startswith("ctx_tokens,") and [x.split(",")[0] for x in rows[1:]] == ["32", "64"]
-    assert "tensor parallel over 2 ranks" in out.with_suffix(".system.txt").read_text()
+    assert f"{mode} parallel over 2 ranks" in out.with_suffix(".system.txt").read_text()
     assert r.stderr.count("memory plan:") == 1  # one rank reports
 
 
@@ -256,6 +258,13 @@ def test_parallel_flags_refused_clearly(tiny_gguf, flags, why):
     r = subprocess.run([sys.executable, "-m", "ds4_mlx", "generate", "-m", str(tiny_gguf()), "-p", "hi", *flags],
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode != 0 and why in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
+
+
+def test_serve_refuses_what_several_ranks_do_not_do(tiny_gguf):
+    r = subprocess.run([sys.executable, "-m", "ds4_mlx", "serve", "-m", str(tiny_gguf()), "--parallel", "tensor",
+                        "--batched-session", "2"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "--batched-session is not available with --parallel" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 class _Group:
