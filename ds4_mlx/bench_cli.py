@@ -19,7 +19,7 @@ from rich.table import Table
 from . import bench as B
 from .cli_common import (SsdCacheOpt, SsdStreamingOpt, check_output_file, expert_cache_size, fail, follow, lead,
                          parallel_group)
-from .distributed import PipelineFollower
+from .distributed import Follower
 from .session import DEFAULT_CHUNK
 
 bench_app = typer.Typer(
@@ -67,9 +67,9 @@ def bench(
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
     parallel: Optional[str] = typer.Option(
-        None, "--parallel", help="Over the ranks started by mlx.launch: 'pipeline' splits the layers evenly (rank 0 "
-        "measures, the others follow); 'expert' gives each rank a share of the routed and shared experts, 'tensor' "
-        "of the attention heads too (the ranks run in step). Rank 0 prints and writes the outputs."),
+        None, "--parallel", help="Over the ranks started by mlx.launch: 'pipeline' splits the layers evenly; 'expert' "
+        "gives each rank a share of the routed and shared experts, 'tensor' of the attention heads too. Rank 0 "
+        "measures, prints and writes the outputs; the others follow it."),
     no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip the untimed warm-up (a throwaway session that decodes 4 steps just below 4 x indexer top-k tokens and 4 more after one chunk past it, so kernel compilation and the decode-step traces are not timed)."),
 ) -> None:
     """Measure prefill and decode speed at each context frontier, ds4-bench's way (docs/serving.md §7)."""
@@ -89,7 +89,7 @@ def bench(
     if parallel is not None and expert_cache is not None:
         fail(f"--ssd-streaming is not available with --parallel {parallel}")
     group = parallel_group(parallel, None)
-    if group is not None and group.rank() > 0:  # the other ranks measure in step with rank 0, quietly
+    if group is not None and group.rank() > 0:  # the other ranks follow rank 0, quietly
         err.quiet, csv_out, json_out = True, None, None
     if step_incr is None and step_mul is None:
         step_incr = 2048
@@ -172,7 +172,7 @@ def bench(
             m, tok = load(model, numerics, expert_cache=expert_cache, group=group, parallel=parallel or "pipeline")
         except ValueError as e:
             fail(str(e))
-    if isinstance(m, PipelineFollower):
+    if isinstance(m, Follower):
         return follow(m)  # rank 0 measures
     load_s = time.perf_counter() - t0
     from .memory import set_memory_limits

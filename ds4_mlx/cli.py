@@ -20,7 +20,7 @@ from rich.table import Table
 
 from .cli_common import (ErrorLineGroup, LayersOpt, ParallelOpt, SsdCacheOpt, SsdStreamingOpt, check_output_file,
                          check_sampling, expert_cache_size, fail, follow, lead, parallel_group, say)
-from .distributed import PipelineFollower
+from .distributed import Follower
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
 from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
 from .gguf_file import DS4FormatError, open_gguf
@@ -211,8 +211,8 @@ def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = N
           parallel: Optional[str] = None, layers: Optional[str] = None):  # fmt: skip
     """The model and tokenizer, with a bar for a long load; MLX's memory limits set for its size. ``expert_cache``:
     stream the routed experts through a cache of this size (:func:`ds4_mlx.cli_common.expert_cache_size`).
-    ``parallel="pipeline"``: this rank's stage of a layer pipeline (:mod:`ds4_mlx.distributed`); on a rank after
-    the first the model is a :class:`~ds4_mlx.distributed.PipelineFollower` (see :func:`_follow`)."""
+    ``parallel``: this rank's part of a model over several ranks (:mod:`ds4_mlx.distributed`); on a rank after
+    the first the model is a :class:`~ds4_mlx.distributed.Follower` (see :func:`~ds4_mlx.cli_common.follow`)."""
     from .loader import load
     from .memory import set_memory_limits
 
@@ -282,16 +282,6 @@ class _Printer:
         if not self.at_line_start:
             sys.stdout.write("\n")
         sys.stdout.flush()
-
-
-class _Quiet(_Printer):
-    """A printer that prints nothing (an expert- or tensor-parallel rank after the first)."""
-
-    def write(self, text: str, reasoning: bool) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class _DelayedBar:
@@ -410,9 +400,8 @@ def generate(
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
     m, tok = _load(model, demo, cache_limit_gb, expert_cache_size(ssd_streaming, ssd_streaming_cache_experts),
                    parallel, layers)
-    if isinstance(m, PipelineFollower):
+    if isinstance(m, Follower):
         return follow(m)
-    rank = getattr(m, "rank", 0)  # expert or tensor parallel: every rank generates, rank 0 prints
     with lead(m):
         ids = prompt_tokens(tok, prompt, system=system, think=mode)
         if len(ids) >= ctx:
@@ -422,10 +411,7 @@ def generate(
             return
         params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
         session = Session(m, chunk_size=prefill_chunk, reserve=min(ctx, len(ids) + n))
-        printer = _Printer() if rank == 0 else _Quiet()
-        _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=printer)
-    if rank > 0:
-        return
+        _, last = _run_generation(m, tok, ids, session, n=n, params=params, seed=seed, ctx=ctx, printer=_Printer())
     Console(stderr=True).print(stats_text(last), highlight=False)
     if m.expert_cache is not None:
         say(m.expert_cache.describe())

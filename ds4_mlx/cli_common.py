@@ -117,10 +117,9 @@ LOST_RANK = 1  # exit status of a rank that lost another rank
 
 ParallelOpt = typer.Option(
     None, "--parallel", help="Over the ranks started by mlx.launch: 'pipeline' splits the layers (each rank reads "
-    "only its layers' tensors; rank 0 tokenizes, samples and prints, the others follow); 'expert' splits each "
-    "layer's routed experts by id and the shared expert by width (every rank runs the whole program in step; rank "
-    "0 prints; serve: rank 0 drives the others); 'tensor' splits the attention heads as well (two sums a layer "
-    "instead of one).")
+    "only its layers' tensors); 'expert' splits each layer's routed experts by id and the shared expert by width; "
+    "'tensor' splits the attention heads as well (two sums a layer instead of one). Rank 0 tokenizes, samples and "
+    "prints; the others follow it.")
 LayersOpt = typer.Option(
     None, "--layers", help="With --parallel pipeline: each rank's layers, one A:B per rank, e.g. 0:20,20:43 "
     "(default: an even split).")
@@ -156,7 +155,7 @@ def lost_rank(rank: int, error: BaseException) -> NoReturn:
 
 
 def follow(follower) -> None:
-    """Run a :class:`~ds4_mlx.distributed.PipelineFollower` until rank 0 closes the pipeline."""
+    """Run a :class:`~ds4_mlx.distributed.Follower` until rank 0 releases it."""
     try:
         follower.run()
     except RuntimeError as e:
@@ -173,9 +172,8 @@ def lost_peer(error: BaseException) -> bool:
 
 
 class lead:
-    """A command's work on rank 0 of a pipeline, on any rank of an expert- or tensor-parallel model, or in one process (where
-    it does nothing): closes a pipeline at the end, whatever ends it, and turns a lost rank into
-    :func:`lost_rank`."""
+    """A command's work on rank 0 of a model over several ranks, or in one process (where it does nothing):
+    releases the other ranks at the end, whatever ends it, and turns a lost rank into :func:`lost_rank`."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -185,9 +183,8 @@ class lead:
 
     def __exit__(self, kind, error, tb) -> bool:
         close = getattr(self.model, "close", None)
-        distributed = close is not None or getattr(self.model, "group", None) is not None
-        if error is not None and distributed and lost_peer(error):
-            lost_rank(getattr(self.model, "rank", 0), error)
+        if error is not None and close is not None and lost_peer(error):
+            lost_rank(0, error)
         if close is not None:
             close()
         return False

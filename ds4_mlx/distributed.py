@@ -1,24 +1,21 @@
 """Model parallel on ``mx.distributed``, the ranks started by ``mlx.launch``: a layer pipeline, the routed
 experts split by expert id, or the attention heads split as well (:func:`tensor_share`).
 
-Expert and tensor parallel: every rank holds every layer but only its share of some of each layer's tensors, and
-runs the whole program (tokenizer, sessions, sampling) in step with the others. ``expert`` splits the routed
-experts by id and the shared expert by its hidden width; a MoE adds its ranks' outputs with one ``all_sum``
-(:meth:`~ds4_mlx.model.moe.MoE.shard`). ``tensor`` also splits the attention heads by output group (their query
-rows, sinks and output products); attention adds its ranks' outputs with a second ``all_sum``
+In every mode rank 0 owns tokenization, sessions and sampling, and drives the other ranks: its model (a
+:class:`PipelineModel` or :class:`LockstepModel`) takes the place of a :class:`~ds4_mlx.model.model.Model`
+(``Session``, ``generate``, ``decode_tokens`` and the server run on it unchanged) and sends each call to the others,
+whose :class:`Follower` serves rank 0's commands until it closes them (:meth:`Follower.run`).
+
+Pipeline parallel: each rank holds a contiguous range of layers and reads only their tensors from the model file;
+rank 0 holds the first layers and the embedding, the last rank the output head.
+
+Expert and tensor parallel: every rank holds every layer but only its share of some of each layer's tensors.
+``expert`` splits the routed experts by id and the shared expert by its hidden width; a MoE adds its ranks' outputs
+with one ``all_sum`` (:meth:`~ds4_mlx.model.moe.MoE.shard`). ``tensor`` also splits the attention heads by output
+group (their query rows, sinks and output products); attention adds its ranks' outputs with a second ``all_sum``
 (:meth:`~ds4_mlx.model.attention.Attention.shard_heads`). Everything else (the KV row, compressors, indexer,
-router, HC, embedding, head) is replicated: it is small, and computing it everywhere costs no collective. The sums
-are the same on every rank, so the ranks sample the same tokens. Rank 0 prints. Where the work arrives on rank 0
-alone (``serve``), rank 0 drives the others instead (:func:`lockstep`): its :class:`LockstepModel` sends each
-call's token ids, the others' :class:`LockstepFollower` runs the same call on its share.
-
-Pipeline parallel: each rank holds a contiguous range of layers and reads only their tensors from the model file.
-
-Rank 0 holds the first layers and the embedding, and owns tokenization and sampling: its
-:class:`PipelineModel` takes the place of a :class:`~ds4_mlx.model.model.Model` (``Session``, ``generate`` and
-``decode_tokens`` run on it unchanged). The other ranks run :meth:`PipelineFollower.run`, which serves rank 0's
-commands until it closes the pipeline; the last rank holds the output head. Rank 0's driven lockstep works the same
-way, with the whole model on every rank.
+router, HC, embedding, head) is replicated: it is small, and computing it everywhere costs no collective. A call
+sends the token ids to the other ranks, which run the same call on their share (:func:`lockstep`).
 
 Wire protocol, along the chain rank r -> r + 1 (every message is an MLX send, queued in protocol order):
 
@@ -163,7 +160,8 @@ def split_layers(n_layer: int, size: int, spec: str | None = None) -> list[range
     return ranges
 
 
-def pipeline_stage(cfg: Any, size: int, rank: int, spec: str | None = None) -> tuple[list[range], Callable[[str], bool]]:
+def pipeline_stage(cfg: Any, size: int, rank: int, spec: str | None = None
+                   ) -> tuple[list[range], Callable[[str], bool]]:  # fmt: skip
     """Every rank's layers of a pipeline (:func:`split_layers`) and which tensors rank ``rank`` holds: its layers',
     the embedding on the first rank, the output head on the last (:func:`~ds4_mlx.model.model.stage_tensor`)."""
     split = split_layers(cfg.n_layer, size, spec)
@@ -255,7 +253,7 @@ class RemoteLayers:
 
 
 class _Leader:
-    """Rank 0's side: a model for ``Session`` whose calls also command the other ranks (:class:`_Follower`).
+    """Rank 0's side: a model for ``Session`` whose calls also command the other ranks (:class:`Follower`).
 
     ``local`` is the :class:`Model` of this rank; ``make_cache`` gives its caches and a :class:`RemoteLayers` for
     the others' state, and the snapshot, rewind and free of that state are commands too."""
@@ -315,7 +313,7 @@ class _Leader:
         return range(self.cfg.n_layer)
 
     def close(self) -> None:
-        """End the other ranks' :meth:`_Follower.run` (they return) and wait for the command to leave."""
+        """End the other ranks' :meth:`Follower.run` (they return) and wait for the command to leave."""
         if self.closed:
             return
         self.closed = True
@@ -401,9 +399,9 @@ class PipelineModel(_Leader):
 
 
 class LockstepModel(_Leader):
-    """Rank 0's side of an expert- or tensor-parallel model driven by rank 0 (``serve``: requests arrive on rank
-    0 alone). A call sends the token ids to the other ranks, then runs this rank's share of every layer; the
-    ranks' ``all_sum`` calls meet in the same order, and the logits are rank 0's own."""
+    """Rank 0's side of an expert- or tensor-parallel model. A call sends the token ids to the other ranks, then
+    runs this rank's share of every layer; the ranks' ``all_sum`` calls meet in the same order, and the logits are
+    rank 0's own."""
 
     def __call__(
         self,
@@ -430,14 +428,14 @@ class LockstepModel(_Leader):
         return None
 
 
-class _Follower:
+class Follower:
     """A rank after rank 0: holds its model and each session's state for it, and serves rank 0's commands
     (:meth:`run`); ``_forward`` is the mode's part."""
 
     expert_cache = None
 
     def __init__(self, local: Model, group: Any):
-        self.local, self.cfg = local, local.cfg
+        self.local, self.cfg, self.layers = local, local.cfg, local.layers
         self.rank = group.rank()
         self.weights_bytes = local.weights_bytes  # this rank's
         self._chain = _Chain(group)
@@ -492,7 +490,7 @@ class _Follower:
         raise NotImplementedError
 
 
-class PipelineFollower(_Follower):
+class PipelineFollower(Follower):
     """A rank after rank 0 in a pipeline: holds its layers (the output head on the last rank); a forward takes
     the state from the rank before and sends its own to the next (the logits to rank 0 from the last)."""
 
@@ -524,7 +522,7 @@ class PipelineFollower(_Follower):
         mx.eval([*sent, *(x for cache in caches for x in cache.decode_state().values())])
 
 
-class LockstepFollower(_Follower):
+class LockstepFollower(Follower):
     """A rank after rank 0 of a :class:`LockstepModel`: a forward takes the token ids (passing them on) and runs
     this rank's share of every layer, up to the last layer's state: its sums are the last ones rank 0 waits
     for; the output head, whose logits only rank 0 uses, is skipped."""
@@ -542,6 +540,6 @@ class LockstepFollower(_Follower):
 
 
 def lockstep(model: Model, group: Any) -> LockstepModel | LockstepFollower:
-    """An expert- or tensor-parallel ``model`` (:meth:`Model.shard`) driven by rank 0: its
-    :class:`LockstepModel` on rank 0, a :class:`LockstepFollower` to ``run()`` elsewhere."""
+    """An expert- or tensor-parallel ``model`` (:meth:`Model.shard`) driven by rank 0: a :class:`LockstepModel` on
+    rank 0, a :class:`LockstepFollower` to ``run()`` elsewhere."""
     return LockstepModel(model, group) if group.rank() == 0 else LockstepFollower(model, group)

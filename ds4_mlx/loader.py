@@ -42,8 +42,9 @@ def load(
     :class:`~ds4_mlx.distributed.PipelineModel` and the tokenizer, the others a
     :class:`~ds4_mlx.distributed.PipelineFollower` to ``run()`` and ``None``. With ``parallel="expert"`` every rank
     reads every layer but only its share of the routed and shared experts, with ``parallel="tensor"`` of the
-    attention heads too (:func:`~ds4_mlx.distributed.tensor_share`), and gets a model and the tokenizer, to run in
-    step with the others. A group of one rank loads as without.
+    attention heads too (:func:`~ds4_mlx.distributed.tensor_share`); rank 0 gets a
+    :class:`~ds4_mlx.distributed.LockstepModel` and the tokenizer, the others a ``LockstepFollower`` and ``None``.
+    A group of one rank loads as without.
     """
     from .distributed import PARALLEL_MODES, pipeline_stage
 
@@ -93,7 +94,10 @@ def load(
     if cache is not None:
         model.stream_experts(cache)
     if cut is not None:
+        from .distributed import lockstep
+
         model.shard(group, cut)
+        return lockstep(model, group), (_tokenizer(tokenizer_data) if group.rank() == 0 else None)
     return model, _tokenizer(tokenizer_data)
 
 

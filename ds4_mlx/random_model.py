@@ -134,13 +134,13 @@ def random_model(shape: str = "tiny", experts: str = "q2", *, seed: int = 0, num
                  layers: int | None = None, group: Any = None, parallel: str = "expert") -> tuple[Any, Any]:
     """A random-weight :class:`Model` of ``shape`` -> ``(model, tokenizer)``; with ``group`` (several ranks) this
     rank's part, as :func:`ds4_mlx.loader.load` gives it: ``parallel="expert"`` or ``"tensor"`` a share of every
-    layer (:meth:`Model.shard`); ``"pipeline"`` an even split of the layers, rank 0's ``PipelineModel`` (with the
-    tokenizer) or another rank's ``PipelineFollower`` (and None).
+    layer (:meth:`Model.shard`), ``"pipeline"`` an even split of the layers; rank 0 gets the model that drives the
+    others (with the tokenizer), another rank a :class:`~ds4_mlx.distributed.Follower` (and None).
 
     The tokenizer is the test factory's byte-level BPE (vocab 512, ``testing.tiny_tokenizer``) for both shapes:
     its ids are valid at the full shape's vocabulary too (text is meaningless with random weights anyway).
     """
-    from .distributed import PipelineFollower, PipelineModel, pipeline_stage, tensor_share
+    from .distributed import PipelineFollower, PipelineModel, lockstep, pipeline_stage, tensor_share
     from .testing import tiny_tokenizer
     from .tokenizer import Tokenizer
 
@@ -157,5 +157,5 @@ def random_model(shape: str = "tiny", experts: str = "q2", *, seed: int = 0, num
     cut = tensor_share(cfg, parallel, group.size(), group.rank())
     model = Model(cfg, random_weights(cfg, experts, seed, cut), numerics)
     model.shard(group, cut)
-    return model, tokenizer
+    return lockstep(model, group), (tokenizer if group.rank() == 0 else None)
 

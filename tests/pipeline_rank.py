@@ -1,10 +1,8 @@
 """One rank of the model-parallel tests (tests/test_distributed.py), started by ``mlx.launch``:
-``pipeline_rank.py MODEL.gguf LAYERS|- PROFILES OUT.npz [pipeline|expert|tensor|tensor-driven] [KV_DIR]``
-(PROFILES: ``hf,ds4``). Rank 0 writes, for each profile, the full prefill's logits, a chunked prefill's and the
-decode steps' logits, a snapshot's replay, the KV payload after the prefill, the steps after restoring
-``KV_DIR/{profile}.kv`` (one rank's payload) and greedy generated ids. In a pipeline the other ranks follow rank
-0; with experts or heads split every rank runs the same, or (``tensor-driven``) rank 0 drives the others as
-``serve`` does."""
+``pipeline_rank.py MODEL.gguf LAYERS|- PROFILES OUT.npz [pipeline|expert|tensor] [KV_DIR]`` (PROFILES:
+``hf,ds4``). Rank 0 writes, for each profile, the full prefill's logits, a chunked prefill's and the decode steps'
+logits, a snapshot's replay, the KV payload after the prefill, the steps after restoring ``KV_DIR/{profile}.kv``
+(one rank's payload) and greedy generated ids; the other ranks follow rank 0."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ds4_mlx.distributed import lockstep
 from ds4_mlx.generate import stream_generate
 from ds4_mlx.kvstore import session_payload, snapshot_from_payload
 from ds4_mlx.loader import load
@@ -51,15 +48,9 @@ def main(path: str, layers: str, profiles: str, out: str, parallel: str = "pipel
     group = mx.distributed.init()
     results = {}
     for profile in profiles.split(","):
-        mode = parallel.removesuffix("-driven")
         model, tokenizer = load(path, numerics=profile, group=group, layers=None if layers == "-" else layers,
-                                parallel=mode)  # fmt: skip
+                                parallel=parallel)  # fmt: skip
         kv = Path(kv_dir, f"{profile}.kv").read_bytes() if kv_dir else None
-        if parallel in ("expert", "tensor"):  # every rank runs the same
-            results.update({f"{profile}.{k}": v for k, v in run(model, tokenizer, kv).items()})
-            continue
-        if parallel.endswith("-driven"):
-            model = lockstep(model, group)
         if group.rank() > 0:
             model.run()
             continue

@@ -525,7 +525,8 @@ class Attention:
         if len(heads) % per or heads.start % per:
             raise ValueError(f"layer {self.il}: heads {heads} are not whole output groups of {per}")
         held = (self.attn_sinks.shape[0], self.attn_q_b.out_features // self.head_dim,
-                self.attn_output_a.out_features // self.o_lora * per, self.attn_output_b.in_features // self.o_lora * per)
+                self.attn_output_a.out_features // self.o_lora * per,
+                self.attn_output_b.in_features // self.o_lora * per)  # fmt: skip
         if set(held) != {len(heads)}:
             raise ValueError(f"layer {self.il}: sinks, q_b, output_a and output_b hold {held} heads, not the "
                              f"{len(heads)} of {heads}")  # fmt: skip

@@ -170,7 +170,6 @@ class Model:
             self.output_norm = weights["output_norm.weight"]  # [E]
             self.output = weights["output.weight"]  # [V, E] Q8_0 (not tied to the embedding)
         self.expert_cache = None  # where the routed experts stream from (stream_experts), if they do
-        self.group, self.rank = None, 0  # expert or tensor parallel: the ranks and this one's (shard)
         # Evaluate the state layer by layer (two at most in flight) when a call has at least this many tokens:
         # bounds the memory of long prefill chunks; single-token decode stays one lazy graph.
         self.eval_layers_from = 64
@@ -198,15 +197,13 @@ class Model:
         """Expert or tensor parallel (:mod:`ds4_mlx.distributed`): this rank holds the tensors cut by ``cut``
         (:func:`~ds4_mlx.distributed.tensor_share`), and the layers add the ranks' shares: the MoE always, the
         attention where its heads are split. The ``all_sum`` calls are queued as a step is built and steps run op
-        by op."""
+        by op (rank 0 drives the ranks: :func:`~ds4_mlx.distributed.lockstep`)."""
         for layer in self.layers:
             p = f"blk.{layer.il}."
             layer.ffn.shard(group, cut(p + "ffn_gate_exps.weight")[1])
             heads = cut(p + "attn_sinks.weight")
             if heads is not None:
                 layer.attn.shard_heads(group, heads[1])
-        self.group, self.rank = group, group.rank()
-        self.queues_while_building = True
         self.set_compile_decode(False)
 
     def set_compile_decode(self, on: bool) -> None:

@@ -48,33 +48,21 @@ def model_loader(path: Path, ctx: int, chunk: int | None = None, cache_limit_gb:
     ``chunk``: the prefill chunk (default the session's); MLX's buffer cache is limited for the model's size
     (:func:`~ds4_mlx.memory.set_memory_limits`, ``cache_limit_gb`` to choose); ``expert_cache``: stream the
     routed experts through a cache of that size (:func:`~ds4_mlx.loader.load`). ``group``, ``parallel``,
-    ``layers``: rank 0's part of a model over several ranks (:func:`load_parallel`)."""
+    ``layers``: rank 0's part of a model over several ranks, which drives the others (:mod:`ds4_mlx.distributed`)."""
 
     def load():
         from ..loader import load as load_gguf
         from ..memory import set_memory_limits
         from ..session import DEFAULT_CHUNK, Session
 
-        if group is None:
-            model, tokenizer = load_gguf(path, expert_cache=expert_cache)
-        else:
-            model, tokenizer = load_parallel(path, group, parallel, layers)
+        model, tokenizer = load_gguf(path, expert_cache=expert_cache, group=group, parallel=parallel or "pipeline",
+                                     layers=layers)  # fmt: skip
         if tokenizer is None:
             raise RuntimeError(f"{path}: no usable tokenizer in the GGUF")
         set_memory_limits(model.weights_bytes, cache_gb=cache_limit_gb)
         return Session(model, chunk_size=chunk or DEFAULT_CHUNK, reserve=ctx), tokenizer
 
     return load
-
-
-def load_parallel(path: Path, group: Any, parallel: str, layers: str | None) -> tuple[Any, Any]:
-    """This rank's part of a model served over the ranks of ``group``, every mode driven by rank 0 (requests
-    arrive there): rank 0's model for ``Session`` and the tokenizer, or a follower to ``run()`` and None."""
-    from ..distributed import lockstep
-    from ..loader import load
-
-    model, tokenizer = load(path, group=group, parallel=parallel, layers=layers)
-    return (model, tokenizer) if parallel == "pipeline" else (lockstep(model, group), tokenizer)
 
 
 def run_server(load: Callable[[], tuple[Any, Any]], *, host: str = "127.0.0.1", port: int = 8000, ctx: int = 32768,
@@ -275,9 +263,10 @@ def _follow_rank_0(path: Path, group: Any, parallel: str, layers: str | None) ->
     """A rank after the first of ``serve --parallel``: load its part, serve rank 0's commands until rank 0's
     server stops, and exit (a lost rank ends it with an error, :func:`~ds4_mlx.cli_common.follow`)."""
     from ..cli_common import fail, follow
+    from ..loader import load
 
     try:
-        follower, _ = load_parallel(path, group, parallel, layers)
+        follower, _ = load(path, group=group, parallel=parallel, layers=layers)
     except ValueError as e:
         fail(str(e))
     follow(follower)
