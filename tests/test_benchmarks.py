@@ -231,6 +231,8 @@ def test_parallel_bytes_split_what_each_mode_splits(tmp_path):
         assert 1 < rows["expert", n]["speedup"] < rows["tensor", n]["speedup"] < n
         assert 86 / n < rows["tensor", n]["held_gb"] < 86 / n + 4  # the replicated part: ~3 GB
     assert rows["tensor", 2]["messages"] == 2 * rows["expert", 2]["messages"] == 86
+    assert rows["tensor", 2]["sent_mb_chunk"] == pytest.approx(2 * rows["expert", 2]["sent_mb_chunk"])
+    assert rows["pipeline", 2]["sent_mb_chunk"] == pytest.approx(2048 * 4 * 4096 * 4 / 1e6)  # the chunk's state
 
 
 @pytest.mark.parametrize("script", ["kernel_speed", "kvcache", "load", "moe_prefill", "prefill_precision",
