@@ -359,6 +359,9 @@ class PipelineModel(_Leader):
             with the embedding's, they identify the model in KV files (``kvstore.model_fingerprint``).
     """
 
+    # consecutive prefill chunks run on different ranks at once when the caller queues them (Session.queue_chunk)
+    overlaps_chunks = True
+
     def __init__(self, stage: Model, group: Any, split: Sequence[range], head_rows: Any = None):
         super().__init__(stage, group)
         self.stage, self.split = stage, list(split)

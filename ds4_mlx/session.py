@@ -124,14 +124,15 @@ class Session:
         step = chunk_size or self.chunk_size
         for i in range(0, len(tokens), step):
             if i + step < len(tokens) and should_stop is None:
-                self._queue_chunk(tokens[i : i + step])
+                self.queue_chunk(tokens[i : i + step])
             else:
                 self._run(tokens[i : i + step], should_stop=should_stop)
         return self.logits
 
-    def _queue_chunk(self, tokens: list[int]) -> None:
-        """A prefill chunk before the last: its logits are not read, and its state is queued, not awaited, so the
-        host goes on to build the next chunk; in a layer pipeline the ranks then work on consecutive chunks."""
+    def queue_chunk(self, tokens: list[int]) -> None:
+        """Prefill ``tokens``, a chunk before the last: its logits are not read (``logits`` is None until the next
+        call), and its state is queued, not awaited, so the host goes on to build the next chunk; in a layer
+        pipeline the ranks then work on consecutive chunks."""
         self.model(tokens, self.pos, self.caches, head=False)
         mx.async_eval([a for c in self.caches for a in c.decode_state().values()])
         self._tokens.extend(tokens)

@@ -324,7 +324,8 @@ def test_serve_over_two_ranks_answers_as_one(tiny_gguf, tmp_path, mode):
     second = first + [{"role": "assistant", "content": answers[0]}, {"role": "user", "content": "more"}]
     third = second + [{"role": "assistant", "content": answers[1]}, {"role": "user", "content": "go on"}]
     turns = [(first, 50, answers[0]), (second, 50, answers[1])]
-    proc, base = start_server(tiny_gguf())
+    chunk = ["--prefill-chunk", "8"]  # prompts of several chunks: a pipeline queues those before the last
+    proc, base = start_server(tiny_gguf(), *chunk)
     try:
         want = [_chat(base, *turn) for turn in [*turns, (third, 6)]]
     finally:
@@ -332,7 +333,7 @@ def test_serve_over_two_ranks_answers_as_one(tiny_gguf, tmp_path, mode):
     port, kv, log = free_port(), tmp_path / "kv", tmp_path / "log"
     kv_flags = ["--kv-disk-dir", str(kv), "--kv-cache-min-tokens", "16", "--kv-cache-boundary-align-tokens", "16"]
     launcher = subprocess.Popen([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "ds4_mlx", "serve",
-                                 "-m", str(tiny_gguf()), "--port", str(port), "--parallel", mode, *kv_flags],
+                                 "-m", str(tiny_gguf()), "--port", str(port), "--parallel", mode, *kv_flags, *chunk],
                                 stdout=log.open("wb"), stderr=subprocess.STDOUT,
                                 env={**os.environ, "DS4_MLX_TEST_HOOKS": "1"})  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -356,7 +357,7 @@ def test_serve_over_two_ranks_answers_as_one(tiny_gguf, tmp_path, mode):
     assert cached[0] > 0 and cached[1] == cached[0]  # the second turn reused the first's tokens
     assert launcher.returncode == 0 and f"{mode} parallel over 2 ranks" in text, text[-2000:]
     assert list(kv.glob("*.kv")), text[-2000:]  # the shutdown save, every layer's state in one file
-    with running_server(tiny_gguf(), *kv_flags) as base:
+    with running_server(tiny_gguf(), *kv_flags, *chunk) as base:
         resumed = _chat(base, third, 6)
         decision = httpx.get(base + "/v1/stats").json()["last_decisions"][-1]
     assert decision["source"] == "disk-text" and resumed["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

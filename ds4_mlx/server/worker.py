@@ -734,6 +734,7 @@ class Worker:
             s.reset()
         chunk = self._chunk(slot)
         step = self.kv.policy.continued_step if self.kv is not None else 0
+        overlap = getattr(s.model, "overlaps_chunks", False)  # a pipeline: queue the chunks before the last
         total = len(tokens)
         pos = reused
         while pos < total:
@@ -744,10 +745,13 @@ class Worker:
                 end = min(end, (pos // step + 1) * step)
             if pos < cold_at < end:
                 end = cold_at
-            try:
-                s.prefill(tokens[pos:end], should_stop=job.cancelled.is_set)  # checked between layers
-            except PrefillCancelled:  # the session is back at `pos`, a chunk boundary
-                return False
+            if overlap and end < total and end != cold_at and not self._continued_due(slot, end):
+                s.queue_chunk(tokens[pos:end])  # its rows are on the later ranks while rank 0 runs the next chunk
+            else:
+                try:
+                    s.prefill(tokens[pos:end], should_stop=job.cancelled.is_set)  # checked between layers
+                except PrefillCancelled:  # the session is back at `pos`, a chunk boundary
+                    return False
             self.counters["prefill_tokens"] += end - pos
             pos = end
             if self.kv is not None:
