@@ -235,8 +235,8 @@ def test_parallel_bytes_split_what_each_mode_splits(tmp_path):
     assert rows["pipeline", 2]["sent_mb_chunk"] == pytest.approx(2048 * 4 * 4096 * 4 / 1e6)  # the chunk's state
 
 
-@pytest.mark.parametrize("script", ["kernel_speed", "kvcache", "load", "moe_prefill", "prefill_precision",
-                                    "prefill_profile"])
+@pytest.mark.parametrize("script", ["collectives", "kernel_speed", "kvcache", "load", "moe_prefill",
+                                    "pipeline_prefill", "prefill_precision", "prefill_profile"])
 def test_scripts_parse_their_arguments(script):
     """The other scripts RESULTS.md runs at least import and parse ``--help`` (their runs need a GPU or minutes)."""
     assert "usage" in run_script(script, "--help").stdout.lower()
