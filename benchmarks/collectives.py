@@ -1,8 +1,8 @@
 """What the parallel modes' messages cost on the link at hand, without the model: under ``mlx.launch``, the ranks
 time MLX's ``all_sum`` of a float32 ``[T, 4096]`` (the split modes' sums, T = 1 for a decoded token, T = a prefill
-chunk) and a pipeline hop's state ``[T, 4, 4096]`` (half a round trip between ranks 0 and 1), then rank 0 prints the time a decoded
-token and a prefill chunk spend in messages in each mode (43 sums with the experts split, 86 with the heads too,
-one hop per rank of a pipeline).
+chunk) and a pipeline hop's state ``[T, 4, 4096]`` (half a round trip between ranks 0 and 1), then rank 0 prints
+the time a decoded token and a prefill chunk spend in messages in each mode (43 sums with the experts split, 86
+with the heads too, one hop per rank of a pipeline).
 
     mlx.launch -n 2 --backend ring -- python benchmarks/collectives.py [--chunk 2048] [--reps 200] [--json out.json]
 """

@@ -98,9 +98,9 @@ def test_pipeline_matches_one_rank(reference, tmp_path, ranks, layers, profiles)
 @pytest.mark.parametrize("mode,ranks", [("expert", 2), ("expert", 3), ("tensor", 2)])
 def test_split_tensors_match_one_rank(reference, tmp_path, mode, ranks):
     """The experts split over 2 and 3 ranks (3 an uneven split), and the heads too over 2: one rank's greedy ids,
-    and its logits up to the order of the sums (the ranks' shares are added by all_sum). That order alone moves the `hf` profile's logits by
-    ~1e-6; in the `ds4` profile it flips a last bit of some FP8/f16 cache roundings too, up to 7.5e-5 on this
-    model (heads split), so that profile is held to 1e-4."""
+    and its logits up to the order of the sums (the ranks' shares are added by all_sum). That order alone moves
+    the `hf` profile's logits by ~1e-6; in the `ds4` profile it flips a last bit of some FP8/f16 cache roundings
+    too, up to 7.5e-5 on this model (heads split), so that profile is held to 1e-4."""
     _matches_one_rank(reference, tmp_path, ranks, "-", "hf,ds4", mode, 1e-4)
 
 
