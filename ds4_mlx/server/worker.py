@@ -366,7 +366,7 @@ class Worker:
                 job.post("error", 503, "server shutting down")
         for slot in self.slots:
             self._save_live(slot, "shutdown", slot.bindings.get("responses"))
-        release = getattr(self.session.model, "close", None) if self.slots else None
+        release = getattr(getattr(self.session, "model", None), "close", None)
         if release is not None:  # a model over several ranks: the others stop following
             release()
 
@@ -734,7 +734,8 @@ class Worker:
             s.reset()
         chunk = self._chunk(slot)
         step = self.kv.policy.continued_step if self.kv is not None else 0
-        overlap = getattr(s.model, "overlaps_chunks", False)  # a pipeline: queue the chunks before the last
+        # a pipeline: queue the chunks before the last (no model: a test's fake session)
+        overlap = getattr(getattr(s, "model", None), "overlaps_chunks", False)
         total = len(tokens)
         pos = reused
         while pos < total:
