@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ds4_mlx.distributed import held_share, pipeline_stage, tensor_share
+from ds4_mlx.distributed import held_share, rank_share
 from ds4_mlx.layout import decode_bytes_per_token, expected_tensors, layout_sizes
 from ds4_mlx.random_model import shape_config
 
@@ -23,12 +23,11 @@ def per_rank(mode: str, n: int, ctx: int, chunk: int) -> dict[str, float]:
     decoded token and for a prefill chunk of ``chunk`` tokens."""
     cfg = shape_config("full")
     specs, sizes = expected_tensors(cfg), layout_sizes(cfg, "q2")
+    _, keep, cut = rank_share(cfg, mode, n, 0)
     if mode == "pipeline":
-        keep, cut = pipeline_stage(cfg, n, 0)[1], None
         messages = n  # the state to each next rank, the logits back
         sent_per_token = cfg.n_hc * cfg.n_embd * 4  # the state of one token, on each hop
     else:
-        keep, cut = None, tensor_share(cfg, mode, n, 0)
         messages = cfg.n_layer * (2 if mode == "tensor" else 1)
         sent_per_token = messages * 2 * (n - 1) / n * cfg.n_embd * 4
     held = {name: b * held_share(cut, name, specs[name].shape, keep) for name, b in sizes.items()}

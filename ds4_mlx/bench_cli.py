@@ -106,18 +106,17 @@ def bench(
     n_ctx = points[-1] + gen_tokens + 1  # ds4-bench's --ctx-alloc default
 
     # ---- plan memory before loading anything
-    from .distributed import held_share, pipeline_stage, tensor_share
+    from .distributed import held_share, rank_share
     from .random_model import random_weights_bytes, shape_config
 
     def share(cfg):  # (cut, keep): this rank's part of the tensors, for the memory plan
+        if group is None:
+            return None, None
         try:
-            if group is None:
-                return None, None
-            if parallel == "pipeline":
-                return None, pipeline_stage(cfg, group.size(), group.rank())[1]
-            return tensor_share(cfg, parallel, group.size(), group.rank()), None
+            _, keep, cut = rank_share(cfg, parallel, group.size(), group.rank())
         except ValueError as e:
             fail(str(e))
+        return cut, keep
 
     if random_weights is not None:
         cfg = shape_config(random_weights, layers)

@@ -77,7 +77,7 @@ def expert_range(n_expert: int, size: int, rank: int) -> range:
     when it does not divide). Raises ``ValueError`` for more ranks than experts."""
     if size > n_expert:
         raise ValueError(f"{size} ranks for {n_expert} experts: an expert-parallel rank needs at least one expert")
-    return range(n_expert * rank // size, n_expert * (rank + 1) // size)
+    return even_split(n_expert, size, rank)
 
 
 PARALLEL_MODES = ("pipeline", "expert", "tensor")
@@ -160,13 +160,37 @@ def split_layers(n_layer: int, size: int, spec: str | None = None) -> list[range
     return ranges
 
 
-def pipeline_stage(cfg: Any, size: int, rank: int, spec: str | None = None
-                   ) -> tuple[list[range], Callable[[str], bool]]:  # fmt: skip
-    """Every rank's layers of a pipeline (:func:`split_layers`) and which tensors rank ``rank`` holds: its layers',
-    the embedding on the first rank, the output head on the last (:func:`~ds4_mlx.model.model.stage_tensor`)."""
+Keep = Callable[[str], bool]  # which tensors a rank holds, by GGUF name
+
+
+def rank_share(cfg: Any, mode: str, size: int, rank: int, spec: str | None = None
+               ) -> tuple[list[range] | None, Keep | None, Callable[[str], Cut | None] | None]:  # fmt: skip
+    """What rank ``rank`` of ``size`` holds in ``mode`` -> ``(split, keep, cut)``. A pipeline: every rank's layers
+    (:func:`split_layers`, ``spec`` as there) and which tensors this rank keeps (its layers', the embedding on the
+    first rank, the output head on the last: :func:`~ds4_mlx.model.model.stage_tensor`), no cut. Experts or heads
+    split: no split or keep, the cut of :func:`tensor_share`."""
+    if mode != "pipeline":
+        return None, None, tensor_share(cfg, mode, size, rank)
     split = split_layers(cfg.n_layer, size, spec)
     mine = split[rank]
-    return split, lambda name: stage_tensor(name, mine, cfg.n_layer)
+    return split, lambda name: stage_tensor(name, mine, cfg.n_layer), None
+
+
+def rank_model(cfg: Any, weights: dict, numerics: Any, group: Any, split: list[range] | None,
+               cut: Callable[[str], Cut | None] | None, tokenizer: Callable[[], Any],
+               head_rows: Any = None) -> tuple[Any, Any]:  # fmt: skip
+    """This rank's part of a model over the ranks of ``group``, from the weights it holds (:func:`rank_share`'s
+    ``split`` and ``cut``) -> rank 0's model that drives the others and ``tokenizer()``, or another rank's
+    :class:`Follower` and None. ``head_rows``: a pipeline's, see :class:`PipelineModel`."""
+    lead = group.rank() == 0
+    if split is not None:
+        stage = Model(cfg, weights, numerics, layers=split[group.rank()])
+        if not lead:
+            return PipelineFollower(stage, group, split), None
+        return PipelineModel(stage, group, split, head_rows), tokenizer()
+    model = Model(cfg, weights, numerics)
+    model.shard(group, cut)
+    return lockstep(model, group), (tokenizer() if lead else None)
 
 
 class _Chain:
@@ -205,7 +229,7 @@ def _held_size(side: Any, first: int, pos: int, stop: int | None = None) -> int:
     """Values in the state messages (:meth:`LayerCache.message`) at ``pos`` tokens of ranks ``first`` to ``stop``
     (default the last), as ``side`` (a leader or a follower) knows what each rank holds."""
     ranks = range(first, side._chain.size if stop is None else stop)
-    return sum(sum(message_sizes(side.cfg, il, pos)) for r in ranks for il in side._held(r))
+    return sum(sum(message_sizes(side.cfg, il, pos)) for r in ranks for il in side.held[r])
 
 
 def _kv_dtype(model: Model) -> mx.Dtype:
@@ -255,14 +279,15 @@ class RemoteLayers:
 class _Leader:
     """Rank 0's side: a model for ``Session`` whose calls also command the other ranks (:class:`Follower`).
 
-    ``local`` is the :class:`Model` of this rank; ``make_cache`` gives its caches and a :class:`RemoteLayers` for
-    the others' state, and the snapshot, rewind and free of that state are commands too."""
+    ``local`` is the :class:`Model` of this rank, ``held`` every rank's layers (default: all of them on every rank);
+    ``make_cache`` gives this rank's caches and a :class:`RemoteLayers` for the others' state, and the snapshot,
+    rewind and free of that state are commands too."""
 
     expert_cache = None  # streamed experts are not available over several ranks
     queues_while_building = True  # a call queues its sends at once: decode_tokens keeps to this thread
 
-    def __init__(self, local: Model, group: Any):
-        self.local = local
+    def __init__(self, local: Model, group: Any, held: Sequence[range] | None = None):
+        self.local, self.held = local, list(held or [range(local.cfg.n_layer)] * group.size())
         self.cfg, self.numerics = local.cfg, local.numerics
         self.layers = local.layers
         self.token_embd, self.output = local.token_embd, getattr(local, "output", None)  # KV files' fingerprint
@@ -295,7 +320,7 @@ class _Leader:
             msg = self._chain.recv((_held_size(self, 1, pos),), mx.float32, 1)  # ranks 1.., in order
             for rank in range(1, self._chain.size):
                 n = _held_size(self, rank, pos, rank + 1)
-                out.update(_unpack_layers(self.cfg, self._held(rank), pos, msg[:n], _kv_dtype(self.local)))
+                out.update(_unpack_layers(self.cfg, self.held[rank], pos, msg[:n], _kv_dtype(self.local)))
                 msg = msg[n:]
         return [out[il] for il in range(self.cfg.n_layer)]
 
@@ -304,13 +329,9 @@ class _Leader:
         sent along the chain (each takes its own), as a new state there."""
         pos, state = caches[0].pos, self._new_id()
         self._command(Op.PUT, state, pos)
-        msg = [caches[il].message() for rank in range(1, self._chain.size) for il in self._held(rank)]
+        msg = [caches[il].message() for rank in range(1, self._chain.size) for il in self.held[rank]]
         self._chain.queue_send(mx.concatenate(msg), self._chain.next)
         return [*(caches[layer.il] for layer in self.layers), RemoteLayers(self, state)]
-
-    def _held(self, rank: int) -> range:
-        """The layers whose state rank ``rank`` holds: all of them."""
-        return range(self.cfg.n_layer)
 
     def close(self) -> None:
         """End the other ranks' :meth:`Follower.run` (they return) and wait for the command to leave."""
@@ -363,12 +384,8 @@ class PipelineModel(_Leader):
     overlaps_chunks = True
 
     def __init__(self, stage: Model, group: Any, split: Sequence[range], head_rows: Any = None):
-        super().__init__(stage, group)
-        self.stage, self.split = stage, list(split)
+        super().__init__(stage, group, split)
         self.output = head_rows
-
-    def _held(self, rank: int) -> range:
-        return self.split[rank]
 
     def __call__(
         self,
@@ -386,11 +403,11 @@ class PipelineModel(_Leader):
         *local, remote = caches
         tokens = token_array(tokens)
         T = tokens.shape[0]
-        S = self.stage.embed(tokens)
+        S = self.local.embed(tokens)
         if T == 1:
-            S = _state(self.stage.decode_layers((S,), tokens, pos, local), self.cfg.n_hc)
+            S = _state(self.local.decode_layers((S,), tokens, pos, local), self.cfg.n_hc)
         else:
-            S = self.stage.prefill_layers(S, tokens, pos, local, should_stop=should_stop)
+            S = self.local.prefill_layers(S, tokens, pos, local, should_stop=should_stop)
         wanted = Logits.ALL if all_logits else Logits.LAST if head or T == 1 else Logits.NONE
         self._command(Op.FORWARD, remote.state, pos, T, wanted)
         self._chain.queue_send(_pack(tokens, S), self._chain.next)
@@ -433,12 +450,13 @@ class LockstepModel(_Leader):
 
 class Follower:
     """A rank after rank 0: holds its model and each session's state for it, and serves rank 0's commands
-    (:meth:`run`); ``_forward`` is the mode's part."""
+    (:meth:`run`); ``_forward`` is the mode's part. ``held``: every rank's layers, as rank 0's model has them."""
 
     expert_cache = None
 
-    def __init__(self, local: Model, group: Any):
+    def __init__(self, local: Model, group: Any, held: Sequence[range] | None = None):
         self.local, self.cfg, self.layers = local, local.cfg, local.layers
+        self.held = list(held or [range(local.cfg.n_layer)] * group.size())
         self.rank = group.rank()
         self.weights_bytes = local.weights_bytes  # this rank's
         self._chain = _Chain(group)
@@ -481,13 +499,9 @@ class Follower:
             n = _held_size(self, self.rank, b, self.rank + 1)
             if not self._chain.is_last:
                 self._chain.queue_send(msg[n:], self._chain.next)
-            mine = self._held(self.rank)
+            mine = self.held[self.rank]
             states[a] = list(_unpack_layers(self.cfg, mine, b, msg[:n], _kv_dtype(self.local)).values())
             mx.eval([x for c in states[a] for x in c.decode_state().values()])
-
-    def _held(self, rank: int) -> range:
-        """The layers whose state rank ``rank`` holds: all of them."""
-        return range(self.cfg.n_layer)
 
     def _forward(self, caches: list[LayerCache], pos: int, T: int, logits: Logits) -> None:
         raise NotImplementedError
@@ -497,24 +511,17 @@ class PipelineFollower(Follower):
     """A rank after rank 0 in a pipeline: holds its layers (the output head on the last rank); a forward takes
     the state from the rank before and sends its own to the next (the logits to rank 0 from the last)."""
 
-    def __init__(self, stage: Model, group: Any, split: Sequence[range]):
-        super().__init__(stage, group)
-        self.stage, self.split = stage, list(split)
-
-    def _held(self, rank: int) -> range:
-        return self.split[rank]
-
     def _forward(self, caches: list[LayerCache], pos: int, T: int, logits: Logits) -> None:
         cfg = self.cfg
         msg = self._chain.recv((T * (1 + cfg.n_hc * cfg.n_embd),), mx.float32, self._chain.prev)
         tokens = msg[:T].view(mx.int32)
         S = msg[T:].reshape(T, cfg.n_hc, cfg.n_embd)
         if T == 1:
-            carry = self.stage.decode_layers((S,), tokens, pos, caches)
-            out = self.stage._decode_head(*carry) if self._chain.is_last else _state(carry, cfg.n_hc)
+            carry = self.local.decode_layers((S,), tokens, pos, caches)
+            out = self.local._decode_head(*carry) if self._chain.is_last else _state(carry, cfg.n_hc)
         else:
-            S = self.stage.prefill_layers(S, tokens, pos, caches)
-            out = (self.stage.head(S if logits == Logits.ALL else S[-1:])) if self._chain.is_last else S
+            S = self.local.prefill_layers(S, tokens, pos, caches)
+            out = (self.local.head(S if logits == Logits.ALL else S[-1:])) if self._chain.is_last else S
         if not self._chain.is_last:
             sent = [mx.distributed.send(_pack(tokens, out), self._chain.next, group=self._chain.group)]
         elif logits != Logits.NONE:

@@ -46,45 +46,37 @@ def load(
     :class:`~ds4_mlx.distributed.LockstepModel` and the tokenizer, the others a ``LockstepFollower`` and ``None``.
     A group of one rank loads as without.
     """
-    from .distributed import PARALLEL_MODES, pipeline_stage
+    from .distributed import PARALLEL_MODES, rank_model, rank_share
 
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel={parallel!r}: the modes are {', '.join(map(repr, PARALLEL_MODES))}")
     sharded = group is not None and group.size() > 1
-    pipeline, split = sharded and parallel == "pipeline", sharded and parallel != "pipeline"
     if sharded and expert_cache is not None:
         raise ValueError(f"expert streaming is not available with {parallel} parallel")
-    if layers is not None and not pipeline:
+    if layers is not None and not (sharded and parallel == "pipeline"):
         raise ValueError("--layers splits the model over the ranks of a pipeline; "
                          + (f"this is {parallel} parallel" if sharded else "this is one rank"))
+    gguf = None
     if Path(path).is_dir():
         if expert_cache is not None:
             raise ValueError(f"{path}: expert streaming reads a GGUF file, not a converted directory")
         from .mlx_dir import open_mlx_dir
 
         config, weights, tokenizer_data = open_mlx_dir(path)
-        stages, keep = pipeline_stage(config, group.size(), group.rank(), layers) if pipeline else (None, None)
-        head_rows = _head_rows(weights["output.weight"]) if pipeline else None
-        weights = weights if keep is None else {n: w for n, w in weights.items() if keep(n)}
-        cut = _share(config, group, parallel) if split else None
-        if cut is not None:
-            weights = {n: _cut_weight(w, cut(n)) for n, w in weights.items()}
     else:
         gguf = open_gguf(path)
-        read = None if progress is None else lambda done, total: progress("reading", done, total)
         config, tokenizer_data = gguf.config, gguf.tokenizer
-        stages, keep = pipeline_stage(config, group.size(), group.rank(), layers) if pipeline else (None, None)
-        head_rows = _head_rows(gguf.tensors["output.weight"]) if pipeline else None
-        cut = _share(config, group, parallel) if split else None
+    split, keep, cut = rank_share(config, parallel, group.size(), group.rank(), layers) if sharded else (None,) * 3
+    if gguf is None:  # a converted directory: its weights kept and cut in memory (_cut_weight)
+        head_rows = _head_rows(weights["output.weight"]) if split else None
+        weights = {n: _cut_weight(w, cut(n) if cut else None) for n, w in weights.items() if keep is None or keep(n)}
+    else:
+        head_rows = _head_rows(gguf.tensors["output.weight"]) if split else None
+        read = None if progress is None else lambda done, total: progress("reading", done, total)
         weights = load_weights(gguf, read, stream_experts=expert_cache is not None, keep=keep, cut=cut)
         _to_device(weights, progress)
-    if pipeline:
-        from .distributed import PipelineFollower, PipelineModel
-
-        stage = Model(config, weights, numerics, layers=stages[group.rank()])
-        if group.rank() > 0:
-            return PipelineFollower(stage, group, stages), None
-        return PipelineModel(stage, group, stages, head_rows), _tokenizer(tokenizer_data)
+    if sharded:
+        return rank_model(config, weights, numerics, group, split, cut, lambda: _tokenizer(tokenizer_data), head_rows)
     cache = None
     if expert_cache is not None:
         from .streaming import ExpertCache
@@ -93,11 +85,6 @@ def load(
     model = Model(config, weights, numerics)
     if cache is not None:
         model.stream_experts(cache)
-    if cut is not None:
-        from .distributed import lockstep
-
-        model.shard(group, cut)
-        return lockstep(model, group), (_tokenizer(tokenizer_data) if group.rank() == 0 else None)
     return model, _tokenizer(tokenizer_data)
 
 
@@ -116,13 +103,6 @@ def _head_rows(w: Any) -> Any:
 
     data, shape = cut_storage(w.data, w.qtype, w.shape, 0, range(4))
     return QuantWeight.from_numpy(np.asarray(data), w.qtype, shape)
-
-
-def _share(config: Any, group: Any, parallel: str) -> Callable[[str], Any]:
-    """How this rank of an expert- or tensor-parallel group cuts each tensor."""
-    from .distributed import tensor_share
-
-    return tensor_share(config, parallel, group.size(), group.rank())
 
 
 def _cut_weight(w: Any, part: Any) -> Any:

@@ -74,7 +74,7 @@ def random_weights(cfg: ModelConfig, experts: str = "q2", seed: int = 0,
     Each tensor is evaluated as soon as it is built, so peak memory stays at the weights' size. ``cut``: an expert-
     or tensor-parallel rank's share (:func:`ds4_mlx.distributed.tensor_share`): a tensor it cuts is drawn at its
     cut shape from its own key, so every rank draws the same other weights. ``keep``: only the tensors it keeps
-    (a pipeline stage's, :func:`ds4_mlx.distributed.pipeline_stage`).
+    (a pipeline stage's, :func:`ds4_mlx.distributed.rank_share`).
     """
     if experts not in EXPERT_VARIANTS:
         raise ValueError(f"experts must be one of {sorted(EXPERT_VARIANTS)}, got {experts!r}")
@@ -140,7 +140,7 @@ def random_model(shape: str = "tiny", experts: str = "q2", *, seed: int = 0, num
     The tokenizer is the test factory's byte-level BPE (vocab 512, ``testing.tiny_tokenizer``) for both shapes:
     its ids are valid at the full shape's vocabulary too (text is meaningless with random weights anyway).
     """
-    from .distributed import PipelineFollower, PipelineModel, lockstep, pipeline_stage, tensor_share
+    from .distributed import rank_model, rank_share
     from .testing import tiny_tokenizer
     from .tokenizer import Tokenizer
 
@@ -148,14 +148,7 @@ def random_model(shape: str = "tiny", experts: str = "q2", *, seed: int = 0, num
     tokenizer = Tokenizer.from_gguf(tiny_tokenizer(512))
     if group is None or group.size() == 1:
         return Model(cfg, random_weights(cfg, experts, seed), numerics), tokenizer
-    if parallel == "pipeline":
-        split, keep = pipeline_stage(cfg, group.size(), group.rank())
-        stage = Model(cfg, random_weights(cfg, experts, seed, keep=keep), numerics, layers=split[group.rank()])
-        if group.rank() > 0:
-            return PipelineFollower(stage, group, split), None
-        return PipelineModel(stage, group, split), tokenizer
-    cut = tensor_share(cfg, parallel, group.size(), group.rank())
-    model = Model(cfg, random_weights(cfg, experts, seed, cut), numerics)
-    model.shard(group, cut)
-    return lockstep(model, group), (tokenizer if group.rank() == 0 else None)
+    split, keep, cut = rank_share(cfg, parallel, group.size(), group.rank())
+    weights = random_weights(cfg, experts, seed, cut, keep)
+    return rank_model(cfg, weights, numerics, group, split, cut, lambda: tokenizer)
 

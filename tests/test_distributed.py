@@ -288,10 +288,10 @@ def test_each_rank_reads_only_its_tensors(tiny_gguf):
     whole, _ = load(path)
     stages = [load(path, group=_Group(r, 3), layers="0:1,1:4,4:6")[0] for r in range(3)]
     assert isinstance(stages[0], PipelineModel) and all(isinstance(s, PipelineFollower) for s in stages[1:])
-    assert [[b.il for b in s.stage.layers] for s in stages] == [[0], [1, 2, 3], [4, 5]]
+    assert [[b.il for b in s.local.layers] for s in stages] == [[0], [1, 2, 3], [4, 5]]
     assert sum(s.weights_bytes for s in stages) == whole.weights_bytes
-    assert stages[0].stage.token_embd is not None and stages[1].stage.token_embd is None
-    assert hasattr(stages[2].stage, "output") and not hasattr(stages[0].stage, "output")
+    assert stages[0].local.token_embd is not None and stages[1].local.token_embd is None
+    assert hasattr(stages[2].local, "output") and not hasattr(stages[0].local, "output")
     with pytest.raises(ValueError, match="one rank"):
         load(path, layers="0:6")
 
