@@ -268,10 +268,15 @@ def test_minified_kernel_files_keep_every_token(tmp_path):
 
 def test_kernel_sources_stay_small():
     """Every Metal launch carries its rendered source (header + body, which MLX keys its kernels by) within a
-    budget: the IQ2 grid only where IQ2_XXS weights are read, block decoding only in the quant kernels."""
+    budget: the IQ2 grid only where IQ2_XXS weights are read, block decoding only in the quant kernels. The
+    decode kernels, launched hundreds of times a token, keep the tight budget; the prefill kernels (a few
+    launches a layer per chunk) carry mm.h's CUDA-only tile paths too."""
+    prefill = {"mm", "deq", "index_mm", "attn_chunk"}
     for inst in kernels.instantiations():
         size = len(kernels.render_header(inst.kind, "metal", inst.iq2_grid)) + len(kernels.render_source(inst.kind, "metal"))
-        assert size <= (27_500 if inst.iq2_grid else 20_800), (inst.tag, size)  # mv: 23.1 + 4.3 KB / 16.4 + 4.3 KB
+        budget = 22_500 if inst.kind in prefill else 20_800  # the largest today: mv 20.8 KB, attn_chunk 22.1 KB
+        assert size <= budget + (6_700 if inst.iq2_grid else 0), (inst.tag, size)  # the grid: 6.6 KB
+    from ds4_mlx.kernels import fused  # noqa: F401  (run alone, nothing else has imported it)
     assert "0x" not in kernels.render_header("mv", "cuda", False).split("DS_IQ2_GRID_WORDS", 1)[1].split("\n", 1)[0]
     for kind in kernels.fused.SPECS:
         size = len(kernels.fused.render_fused_header("metal", kind)) + len(kernels.fused.render_body(kind, "metal"))
