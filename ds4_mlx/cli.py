@@ -488,14 +488,31 @@ def chat(
     cache_limit_gb: Optional[float] = CacheLimitOpt,
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
+    parallel: Optional[str] = ParallelOpt,
+    layers: Optional[str] = LayersOpt,
 ) -> None:
-    """Interactive chat (REPL) that streams tokens and keeps the conversation in the live KV cache."""
+    """Interactive chat (REPL) that streams tokens and keeps the conversation in the live KV cache.
+
+    Over several machines: mlx.launch -n 2 --hostfile hosts.json -- ds4-mlx chat --parallel pipeline|expert|tensor
+    -m FILE (mlx.launch passes the terminal's input on; rank 0 reads it and prints the replies).
+    """
     _check_positive(tokens=tokens, ctx=ctx, prefill_chunk=prefill_chunk)
     check_sampling(temp, top_p, top_k, min_p)
     mode = _think_mode(think, nothink, think_max, ctx)
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
-    m, tok = _load(model, demo, cache_limit_gb, expert_cache_size(ssd_streaming, ssd_streaming_cache_experts))
+    m, tok = _load(model, demo, cache_limit_gb, expert_cache_size(ssd_streaming, ssd_streaming_cache_experts),
+                   parallel, layers)
+    if isinstance(m, Follower):
+        return follow(m)
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    with lead(m):
+        _chat_loop(m, tok, Session(m, chunk_size=prefill_chunk), system=system, mode=mode, ctx=ctx, n=n,
+                   params=params, seed=seed)  # fmt: skip
+
+
+def _chat_loop(m, tok, session: Session, *, system: str, mode: ThinkMode, ctx: int, n: int, params: SamplingParams,
+               seed: Optional[int]) -> None:  # fmt: skip
+    """The chat REPL: reads lines until /quit or end of input, keeping the conversation in ``session``."""
     try:
         import readline
 
@@ -504,7 +521,6 @@ def chat(
             readline.read_history_file(history)
     except (ImportError, OSError):
         readline = None
-    session = Session(m, chunk_size=prefill_chunk)
     transcript = repl_prefix_tokens(tok, system=system, mode=mode)
     err = Console(stderr=True, soft_wrap=True)
     err.print(f"ds4-mlx chat: {m.cfg.name or 'model'}, ctx {ctx}, mode {mode.value}. /help for commands.", highlight=False)

@@ -233,6 +233,23 @@ def test_generate_with_the_heads_split_prints_one_ranks_text(tiny_gguf):
 
 
 @needs_launch
+def test_chat_over_a_pipeline_answers_as_one_process(tiny_gguf):
+    """`mlx.launch -n 2 -- ds4-mlx chat --parallel pipeline` with two turns on its input: rank 0 prints the replies
+    one process prints (the second turn reusing the first's cache on both ranks), and a /ctx reset in between
+    starts the ranks' caches afresh."""
+    args = ["chat", "-m", str(tiny_gguf()), "-n", "8", "--temp", "0", "--nothink"]
+    turns = "hello\nwhat next\n/ctx 256\nhello\n/quit\n"
+    one = subprocess.run([sys.executable, "-m", "ds4_mlx", *args], input=turns, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    two = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "ds4_mlx", *args,
+                          "--parallel", "pipeline"], input=turns, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert one.stdout.count("ds4> ") == 5 and "new session, ctx 256" in one.stdout
+    assert two.stdout == one.stdout
+    assert "pipeline parallel over 2 ranks" in two.stderr
+
+
+@needs_launch
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_bench_over_two_ranks(tmp_path, mode):
     """`mlx.launch -n 2 -- ds4-mlx bench --random-weights tiny --parallel MODE`: the ranks measure together (in
