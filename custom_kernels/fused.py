@@ -19,8 +19,8 @@ prologue plus body) on the macro layer (:func:`ds4_mlx.kernels.render_prelude`) 
   §4.8) in one launch instead of ~10 MLX ops.
 - ``index_q.body``: the indexer's query heads: RoPE, Hadamard-128 and FP4 (§4.7, §4.12) in one launch.
 - ``index_scores.body``: the indexer's head-weighted ReLU scores of one decode token's visible rows (§4.7).
-- ``topk_rows.body``: the indexer's top-k rows of one decode token, ties to the lower row (§4.7), in one
-  launch instead of MLX's topk + cumsum + argpartition + sort chain.
+- ``topk_rows.body``: the indexer's top-k rows of one decode token or of each query of a chunk, ties to the lower
+  row (§4.7), in one launch instead of MLX's topk + cumsum + argpartition + sort chain.
 - ``mv.body`` epilogues: the experts' SwiGLU of two weights (gate, up) and the sum of a token's routed experts
   (§4.8), each one matvec launch instead of two or three MLX ops (:func:`expert_swiglu`, :func:`expert_down_sum`).
 - ``sample.body``: the next token's id with ds4's greedy and top-p-1 rules, in one launch instead of ~50 MLX
@@ -766,22 +766,29 @@ def index_scores(
 
 
 def top_k_rows(scores: mx.array, counts: mx.array, k: int, *, backend: str) -> mx.array | None:
-    """The ``k`` highest of the first ``counts[0]`` (> k) scores of ``scores [1, N]``, ties to the lower row,
-    as row indices ``[1, k]`` in ascending order; None on the ``fallback`` backend. ``counts`` int32 ``[8] =
-    (visible rows, k, ...)`` is made on the host (:func:`kernel_counts`)."""
-    if scores.ndim != 2 or scores.shape[0] != 1 or scores.dtype != mx.float32:
-        raise ValueError(f"top_k_rows: scores must be f32 [1, N], got {tuple(scores.shape)} {scores.dtype}")
+    """Per row of ``scores [R, N]``: the ``k`` highest of its first n scores, ties to the lower row, as row indices
+    ``[R, k]`` in ascending order; None on the ``fallback`` backend. ``counts`` int32 ``[8] = (n, k, first, ratio,
+    N, ...)``: n is ``counts[0]`` for every row, or with ``ratio`` > 0 row r's ``min(n, (first + r) // ratio)``
+    (a chunk's queries); a row with n <= k lists ``0 .. k-1``. Decode's one row takes :func:`kernel_counts`."""
+    if scores.ndim != 2 or scores.dtype != mx.float32:
+        raise ValueError(f"top_k_rows: scores must be f32 [R, N], got {tuple(scores.shape)} {scores.dtype}")
     _check_block("top_k_rows", "counts", counts)
     if backend == "fallback":
         return None
     return get_fused_kernel("topk_rows", backend)(
         inputs=[scores, counts],
         template=[("NT", TOPK_THREADS)],
-        grid=(TOPK_THREADS, 1, 1),
+        grid=(TOPK_THREADS, scores.shape[0], 1),
         threadgroup=(TOPK_THREADS, 1, 1),
-        output_shapes=[(1, k)],
+        output_shapes=[(scores.shape[0], k)],
         output_dtypes=[mx.int32],
     )[0]
+
+
+def chunk_top_k_counts(n: int, k: int, first: int, ratio: int) -> mx.array:
+    """The ``counts`` of :func:`top_k_rows` for a chunk's queries: row r sees ``min(n, (first + r) // ratio)``
+    compressed rows of its ``[R, n]`` scores."""
+    return _params(n, k, first, ratio, n)
 
 
 # --- query heads and KV row -------------------------------------------------------------------------------

@@ -813,6 +813,32 @@ def test_top_k_rows_fallback_vs_numpy(N, n, k, ties):
     np.testing.assert_array_equal(np.array(got), topk_numpy(s, n, k))
 
 
+def chunk_topk_numpy(scores: np.ndarray, first: int, ratio: int, k: int) -> np.ndarray:
+    """Per query r: topk_numpy of its first (first + r) // ratio rows, or 0 .. k-1 where it sees at most k."""
+    rows = []
+    for r in range(scores.shape[0]):
+        n = min((first + r) // ratio, scores.shape[1])
+        rows.append(topk_numpy(scores[r : r + 1], n, k)[0] if n > k else np.arange(k))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("backend", ["fallback", pytest.param(BACKEND, marks=needs_gpu)])
+def test_chunk_top_k_matches_each_querys_choice(ties, backend):
+    """A chunk's queries in one launch: each row its own causal count of visible rows (some at most k, which list
+    0 .. k-1), the k highest of them ties to the lower row, as the one-token choice orders them."""
+    k, ratio, R, N = 12, 4, 12, 20
+    first = k * ratio - 3  # row r sees (45 + r) // 4 of the 20 rows: 11, 11, 11, 12 (listed whole), then 12 .. 14
+    rng = np.random.default_rng(7 + ties)
+    s = rng.standard_normal((R, N)).astype(np.float32)
+    if ties:
+        s = rng.choice(np.array([-1.5, -0.0, 0.0, 0.25, 2.0], np.float32), size=(R, N))
+    want = chunk_topk_numpy(s, first, ratio, k)
+    got = fused.chunk_top_k(mx.array(s), first, ratio, k, backend=backend)
+    assert got.dtype == mx.int32 and got.shape == (R, k)
+    np.testing.assert_array_equal(np.array(got), want)
+
+
 def index_scores_inputs(H: int, D: int, N: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     iq = rng.standard_normal((1, H, D)).astype(np.float32)
@@ -863,6 +889,8 @@ def test_index_scores_kernel(H, D, N, n):
 def test_top_k_rows_validation():
     with pytest.raises(ValueError, match="scores must be"):
         fused.top_k_rows(mx.zeros((2, 8)), kernel_counts(8, 2), 2)
+    with pytest.raises(ValueError, match="scores must be"):
+        kernels.fused.top_k_rows(mx.zeros((8,)), kernel_counts(8, 2), 2, backend="fallback")
     with pytest.raises(ValueError, match="counts must be"):
         fused.top_k_rows(mx.zeros((1, 8)), mx.array([8, 2]), 2)
 

@@ -30,7 +30,7 @@ from ..kernels.fused import kernel_counts
 from ..numerics import Numerics, get_numerics, kv_rounding
 from ..weights import QuantWeight
 from .compressor import Compressor, CompressorState, index_array
-from .fused import attend_one, qkv_rows, top_k_rows  # kernels on the GPU, MLX on the CPU
+from .fused import attend_one, chunk_top_k, qkv_rows, top_k_rows  # kernels on the GPU, MLX on the CPU
 from .indexer import Indexer
 from .ops import attend, select_top_k, selected_indices
 from .rope import Rope, apply_rope
@@ -452,7 +452,6 @@ class Attention:
         if self.indexer is None or nmax <= k:
             return None
         pq = pos + np.arange(T)
-        n_visible = (pq + 1) // self.ratio
         Ci, Si = self.rope.tables(pq, self.indexer.head_dim)
         hw, keys = self.indexer.head_weights(n), cache.index[:nmax]
         B = max(1, min(T, ATTN_BLOCK_BYTES // (4 * nmax * (1 if self.indexer.chunk_kernel else self.indexer.n_head))))
@@ -460,7 +459,7 @@ class Attention:
         for i0 in range(0, T, B):
             i1 = min(T, i0 + B)
             scores = self.indexer.scores(qa[i0:i1], hw[i0:i1], Ci[i0:i1], Si[i0:i1], keys)  # [block, nmax]
-            parts.append(selected_indices(select_top_k(scores, n_visible[i0:i1], k), k))
+            parts.append(chunk_top_k(scores, pos + 1 + i0, self.ratio, k))  # query t sees (pos + t + 1) // ratio
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def _query_block(self, T: int, keep: int, cache: LayerCache) -> int:

@@ -312,12 +312,26 @@ def top_k_rows(scores: mx.array, counts: mx.array, k: int, *, backend: str | Non
     as row indices ``[1, k]`` in ascending order (what ``select_top_k`` + ``selected_indices`` give).
     ``counts`` int32 ``[8] = (visible rows, k, ...)`` is made on the host
     (:func:`ds4_mlx.kernels.fused.kernel_counts`)."""
+    if scores.ndim != 2 or scores.shape[0] != 1:
+        raise ValueError(f"top_k_rows: scores must be one token's [1, N], got {tuple(scores.shape)}")
     idx = K.top_k_rows(scores, counts, k, backend=_pick(backend))
     if idx is not None:
         return idx
     visible = mx.arange(scores.shape[1])[None, :] < counts[0]
     scores = mx.where(visible, scores, -mx.inf)  # more than k visible: no -inf is selected
     return selected_indices(select_top_k(scores, np.array([scores.shape[1]]), k), k).astype(mx.int32)
+
+
+def chunk_top_k(scores: mx.array, first: int, ratio: int, k: int, *, backend: str | None = None) -> mx.array:
+    """Per query r of a chunk: the ``k`` highest of its first ``(first + r) // ratio`` scores of ``scores [R, N]``
+    (causal visibility; N > k), ties to the lower row, as row indices ``[R, k]``, valid ones first in ascending
+    order (what ``select_top_k`` + ``selected_indices`` give; a query seeing at most k rows lists ``0 .. k-1``)."""
+    R, N = scores.shape
+    idx = K.top_k_rows(scores, K.chunk_top_k_counts(N, k, first, ratio), k, backend=_pick(backend))
+    if idx is not None:
+        return idx
+    n_visible = np.minimum((first + np.arange(R)) // ratio, N)
+    return selected_indices(select_top_k(scores, n_visible, k), k).astype(mx.int32)
 
 
 # --- MoE --------------------------------------------------------------------------------------------------
