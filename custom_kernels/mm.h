@@ -204,8 +204,8 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
 // 16 weights (half `hf` of unit u) into a prefill tile: the exact values, each rounded once to the tile type.
 // On CUDA the two 2-bit types take a shorter path to the same bits: a group's weights take 3 (IQ2_XXS: ±8, ±25,
 // ±43 times its scale) or 4 (Q2_K: dl·q − ml, q = 0..3) values, so those are rounded once per group and each
-// pair of bf16 weights is picked from them by one byte permute (PRMT), then IQ2_XXS's signs flip by one XOR.
-// The float path spent ~6 instructions a weight; this one ~2-3.
+// pair of bf16 weights is picked from them by one byte permute (PRMT), then IQ2_XXS's signs flip by one XOR:
+// fewer instructions and registers than the float path (benchmarks/RESULTS.md, "Prefill kernels").
 DS_FN void ds_raw16_tile(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_t hf, DS_TG ds_tile_t* dst) {
 #if defined(DS_CUDA)
   if (qt == DS_IQ2_XXS || qt == DS_Q2_K) {

@@ -30,7 +30,8 @@ WIRED_MARGIN = 2 * GiB
 _SCRATCH_COPIES = 16
 # Attention score blocks (attention.ATTN_BLOCK_BYTES) with their softmax copies, plus allocator slack.
 _SCRATCH_FIXED = 3 << 28
-#: Most live sessions ``serve --batched-session 0`` picks (the decode kernels take up to 8 tokens a launch).
+#: Most live sessions ``serve`` picks by itself (a ``--batched-session`` count of 0): the decode kernels take up
+#: to 8 tokens a launch.
 AUTO_SESSIONS_MAX = 8
 
 
