@@ -24,10 +24,6 @@ DS_FN void ds_att_load8(ds_att_t* dst, const __half* src, bool ok) {
   if (ok) v = *((const uint4*)src);
   *((uint4*)dst) = v;
 }
-DS_FN uint32_t ds_bf16x2_bits(float a, float b) {  // bf16 bits of a (low half) and b, rounded to nearest even
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *((uint32_t*)&v);
-}
 DS_FN uint32_t ds_half2_bits(float a, float b) {
   return (uint32_t)__half_as_ushort(__float2half_rn(a)) | ((uint32_t)__half_as_ushort(__float2half_rn(b)) << 16);
 }
@@ -126,14 +122,6 @@ DS_FN ds_raw16 ds_raw16_load(int qt, const DS_DEV uint8_t* row, uint32_t u, uint
 
 // Byte i (0..11) of the three words w[4..6] (Q4_K's scale bytes).
 DS_FN uint32_t ds_raw_byte(DS_THR const ds_raw16& r, uint32_t i) { return (r.w[4 + i / 4] >> (8 * (i % 4))) & 255u; }
-// IQ2_XXS: the group's scale d·(0.5 + ls)/4.
-DS_FN float ds_iq2_dl(DS_THR const ds_raw16& r) { return DS_F16_BITS(r.s0) * (0.5f + ds_u2f(r.w[1] >> 28)) * 0.25f; }
-// Q2_K: a 16-weight group's scale and min (weight = dl·q − ml), and where unit u's 2-bit codes lie in their bytes.
-DS_FN void ds_q2k_dm(DS_THR const ds_raw16& r, DS_THR float& dl, DS_THR float& ml) {
-  dl = DS_F16_BITS(r.s0 & 0xffffu) * float(r.s1 & 15u);
-  ml = DS_F16_BITS(r.s0 >> 16) * float(r.s1 >> 4);
-}
-DS_FN uint32_t ds_q2k_shift(uint32_t u) { return 2u * (u & 3u); }
 
 DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_t hf, DS_THR float* out) {
   if (qt == DS_Q8_0) {
@@ -145,9 +133,8 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
       out[2 * i + 1] = d * ds_s8x_f(wx, 1);
     }
   } else if (qt == DS_Q2_K) {
-    const uint32_t sh = ds_q2k_shift(u);
-    float dl, ml;
-    ds_q2k_dm(r, dl, ml);
+    const uint32_t sh = 2u * ((u & 7u) & 3u), sc = r.s1;
+    const float dl = DS_F16_BITS(r.s0 & 0xffffu) * float(sc & 15u), ml = DS_F16_BITS(r.s0 >> 16) * float(sc >> 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t w = (r.w[i] >> sh) & 0x03030303u;
@@ -173,7 +160,7 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
     }
   } else if (qt == DS_IQ2_XXS) {
     const uint32_t A = r.w[0], B = r.w[1];
-    const float dl = ds_iq2_dl(r);
+    const float dl = DS_F16_BITS(r.s0) * (0.5f + ds_u2f(B >> 28)) * 0.25f;
     const float bias = -8388608.0f * dl;  // (2^23 + g)·dl − 2^23·dl = g·dl, rounded once by the FMA
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
@@ -199,56 +186,6 @@ DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_
 #pragma unroll
     for (int i = 0; i < 16; ++i) out[i] = b[i];
   }
-}
-
-// 16 weights (half `hf` of unit u) into a prefill tile: the exact values, each rounded once to the tile type.
-// On CUDA the two 2-bit types take a shorter path to the same bits: a group's weights take 3 (IQ2_XXS: ±8, ±25,
-// ±43 times its scale) or 4 (Q2_K: dl·q − ml, q = 0..3) values, so those are rounded once per group and each
-// pair of bf16 weights is picked from them by one byte permute (PRMT), then IQ2_XXS's signs flip by one XOR:
-// fewer instructions and registers than the float path (benchmarks/RESULTS.md, "Prefill kernels").
-DS_FN void ds_raw16_tile(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_t hf, DS_TG ds_tile_t* dst) {
-#if defined(DS_CUDA)
-  if (qt == DS_IQ2_XXS || qt == DS_Q2_K) {
-    uint32_t o[8];
-    if (qt == DS_IQ2_XXS) {
-      const float dl = ds_iq2_dl(r);
-      const uint32_t m01 = ds_bf16x2_bits(8.0f * dl, 25.0f * dl), m2 = ds_bf16x2_bits(43.0f * dl, 0.0f);
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const uint32_t k = 2 * hf + kk, gi = (r.w[0] >> (8 * k)) & 255u;
-        const uint32_t s = ds_iq2_signs((r.w[1] >> (7 * k)) & 127u);
-        // byte j of a sign word: 0x80 where weight j is negative (4 bits spread 8 apart by one multiply)
-        const uint32_t sg[2] = {((s & 15u) * 0x10204080u) & 0x80808080u, ((s >> 4) * 0x10204080u) & 0x80808080u};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          // grid byte v in {8, 25, 43}: v/8 − 1 = 2c for magnitude c, so each byte of t selects bytes 2c, 2c+1
-          const uint32_t t = ((ds_iq2_grid[2 * gi + h] >> 3) & 0x1F1F1F1Fu) * 0x11u - 0x01010101u;
-          o[4 * kk + 2 * h] = __byte_perm(m01, m2, t) ^ __byte_perm(sg[h], 0u, 0x1404u);
-          o[4 * kk + 2 * h + 1] = __byte_perm(m01, m2, t >> 16) ^ __byte_perm(sg[h], 0u, 0x3424u);
-        }
-      }
-    } else {
-      float dl, ml;
-      ds_q2k_dm(r, dl, ml);
-      const uint32_t v01 = ds_bf16x2_bits(DS_FMA(dl, 0.0f, -ml), DS_FMA(dl, 1.0f, -ml));
-      const uint32_t v23 = ds_bf16x2_bits(DS_FMA(dl, 2.0f, -ml), DS_FMA(dl, 3.0f, -ml));
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // code bytes c (0..3) → selector bytes (2c, 2c+1)
-        const uint32_t t = ((r.w[i] >> ds_q2k_shift(u)) & 0x03030303u) * 0x22u + 0x10101010u;
-        o[2 * i] = __byte_perm(v01, v23, t);
-        o[2 * i + 1] = __byte_perm(v01, v23, t >> 16);
-      }
-    }
-    uint4* d4 = (uint4*)dst;  // 32 bytes, 16-byte aligned
-    d4[0] = make_uint4(o[0], o[1], o[2], o[3]);
-    d4[1] = make_uint4(o[4], o[5], o[6], o[7]);
-    return;
-  }
-#endif
-  float v[16];
-  ds_raw16_decode(qt, r, u, hf, v);
-#pragma unroll
-  for (int e = 0; e < 16; e += 4) ds_store_tile4(dst + e, v[e], v[e + 1], v[e + 2], v[e + 3]);
 }
 
 // Dequantize 16 weights: half `hf` (0/1) of unit u of `row`, exact f32 values (docs/quants.md §1.7).
