@@ -37,6 +37,7 @@ sockets: the others' next send or receive raises (MLX's ring backend: "connectio
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import Any
@@ -193,6 +194,19 @@ def rank_model(cfg: Any, weights: dict, numerics: Any, group: Any, split: list[r
     return lockstep(model, group), (tokenizer() if lead else None)
 
 
+def messages_awaited() -> bool:
+    """Whether every message waits for its data and its delivery before the next is queued:
+    ``$DS4_MLX_AWAIT_MESSAGES`` (``1`` or ``0``), else yes on MLX-CUDA. There a two-rank pipeline on one H100
+    hung with queued messages (rank 0 blocked in the CUDA allocator's lock while its device waited on a message
+    still on the communication stream); awaited, no device work ever waits on a message."""
+    value = os.environ.get("DS4_MLX_AWAIT_MESSAGES", "").strip()
+    if value in ("0", "1"):
+        return value == "1"
+    if value:
+        raise ValueError(f"DS4_MLX_AWAIT_MESSAGES must be 0 or 1, got {value!r}")
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 class _Chain:
     """One rank's links in the pipeline: headers and states to the next rank, logits to rank 0."""
 
@@ -201,13 +215,23 @@ class _Chain:
         self.rank, self.size = group.rank(), group.size()
         self.prev, self.next = self.rank - 1, self.rank + 1
         self.is_last = self.next == self.size
+        self.awaited = messages_awaited()
 
     def queue_send(self, x: mx.array, dst: int) -> None:
-        # queued, not awaited: the stream runs the sends and receives in the order they are queued
-        mx.async_eval(mx.distributed.send(x, dst, group=self.group))
+        """Send ``x``: queued (the stream runs the sends and receives in the order they are queued), or
+        awaited (:func:`messages_awaited`)."""
+        sent = mx.distributed.send(x, dst, group=self.group)
+        if self.awaited:
+            mx.eval(x)
+            mx.eval(sent)
+        else:
+            mx.async_eval(sent)
 
     def recv(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array:
-        return mx.distributed.recv(shape, dtype, src, group=self.group)
+        received = mx.distributed.recv(shape, dtype, src, group=self.group)
+        if self.awaited:
+            mx.eval(received)
+        return received
 
 
 def _pack(tokens: mx.array, S: mx.array) -> mx.array:
@@ -380,8 +404,11 @@ class PipelineModel(_Leader):
             with the embedding's, they identify the model in KV files (``kvstore.model_fingerprint``).
     """
 
-    # consecutive prefill chunks run on different ranks at once when the caller queues them (Session.queue_chunk)
-    overlaps_chunks = True
+    @property
+    def overlaps_chunks(self) -> bool:
+        """Consecutive prefill chunks run on different ranks at once when the caller queues them
+        (``Session.queue_chunk``); not with awaited messages."""
+        return not self._chain.awaited
 
     def __init__(self, stage: Model, group: Any, split: Sequence[range], head_rows: Any = None):
         super().__init__(stage, group, split)
@@ -522,14 +549,13 @@ class PipelineFollower(Follower):
         else:
             S = self.local.prefill_layers(S, tokens, pos, caches)
             out = (self.local.head(S if logits == Logits.ALL else S[-1:])) if self._chain.is_last else S
+        state = [x for cache in caches for x in cache.decode_state().values()]
         if not self._chain.is_last:
-            sent = [mx.distributed.send(_pack(tokens, out), self._chain.next, group=self._chain.group)]
+            self._chain.queue_send(_pack(tokens, out), self._chain.next)
         elif logits != Logits.NONE:
-            sent = [mx.distributed.send(out.astype(mx.float32), 0, group=self._chain.group)]
-        else:
-            sent = []
+            self._chain.queue_send(out.astype(mx.float32), 0)
         # the new state is evaluated with the send, as Session does with the logits (same graph every step)
-        mx.eval([*sent, *(x for cache in caches for x in cache.decode_state().values())])
+        mx.eval(state)
 
 
 class LockstepFollower(Follower):

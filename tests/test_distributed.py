@@ -14,10 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4_mlx.distributed import even_split, expert_range, split_layers, tensor_share
+from ds4_mlx.distributed import even_split, expert_range, messages_awaited, split_layers, tensor_share
 from ds4_mlx.kvstore import snapshot_from_payload
 from ds4_mlx.loader import load
 from ds4_mlx.session import Session
@@ -60,7 +61,8 @@ def _rel(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
-def _matches_one_rank(reference, tmp_path, ranks: int, layers: str, profiles: str, mode: str, ds4_tol: float):
+def _matches_one_rank(reference, tmp_path, ranks: int, layers: str, profiles: str, mode: str, ds4_tol: float,
+                      env: dict[str, str] | None = None):
     """tests/pipeline_rank.py over ``ranks`` ranks against one rank: greedy ids equal, logits within the profile's
     tolerance; a restored snapshot replays its steps exactly; one rank's KV payload restored on the ranks, and the
     ranks' payload restored on one rank, step as one rank does."""
@@ -68,7 +70,7 @@ def _matches_one_rank(reference, tmp_path, ranks: int, layers: str, profiles: st
     out = tmp_path / "out.npz"
     cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--python", sys.executable,
            str(HERE / "pipeline_rank.py"), str(path), layers, profiles, str(out), mode, str(kv)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})})
     assert out.exists(), proc.stdout + proc.stderr
     got = dict(np.load(out))
     for profile in profiles.split(","):
@@ -92,6 +94,24 @@ def _matches_one_rank(reference, tmp_path, ranks: int, layers: str, profiles: st
 @pytest.mark.parametrize("ranks,layers,profiles", [(2, "-", "hf,ds4"), (3, "0:1,1:4,4:6", "ds4")])
 def test_pipeline_matches_one_rank(reference, tmp_path, ranks, layers, profiles):
     _matches_one_rank(reference, tmp_path, ranks, layers, profiles, "pipeline", TOL)
+
+
+@needs_launch
+def test_pipeline_with_awaited_messages_matches_one_rank(reference, tmp_path):
+    """Every message awaited (as on MLX-CUDA): the same results, the chunks no longer overlapped."""
+    _matches_one_rank(reference, tmp_path, 3, "0:1,1:4,4:6", "ds4", "pipeline", TOL, {"DS4_MLX_AWAIT_MESSAGES": "1"})
+
+
+def test_awaited_messages_setting(monkeypatch):
+    monkeypatch.setenv("DS4_MLX_AWAIT_MESSAGES", "1")
+    assert messages_awaited()
+    monkeypatch.setenv("DS4_MLX_AWAIT_MESSAGES", "0")
+    assert not messages_awaited()
+    monkeypatch.setenv("DS4_MLX_AWAIT_MESSAGES", "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        messages_awaited()
+    monkeypatch.delenv("DS4_MLX_AWAIT_MESSAGES")
+    assert messages_awaited() == (mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
 @needs_launch
