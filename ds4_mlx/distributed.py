@@ -554,7 +554,7 @@ class PipelineFollower(Follower):
             self._chain.queue_send(_pack(tokens, out), self._chain.next)
         elif logits != Logits.NONE:
             self._chain.queue_send(out.astype(mx.float32), 0)
-        # the new state is evaluated with the send, as Session does with the logits (same graph every step)
+        # the new state is evaluated once the send is on its way, as Session does with the logits
         mx.eval(state)
 
 
