@@ -25,6 +25,11 @@ def set_kernel_backend(name: str | None) -> None:
     _backend_override = name
 
 
+def on_cuda_gpu() -> bool:
+    """Whether MLX computes on a CUDA GPU here (the default device is the GPU and MLX's backend is CUDA)."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 def kernel_backend() -> str:
     """The backend used now: the setter's value, else ``$DS4_MLX_KERNELS``, else automatic."""
     name = _backend_override or os.environ.get("DS4_MLX_KERNELS", "").strip().lower() or "auto"

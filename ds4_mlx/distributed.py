@@ -44,6 +44,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .backend import on_cuda_gpu
 from .model.attention import LayerCache, layer_cache_from_message, message_sizes
 from .model.fused import hc_post
 from .model.model import Model, stage_tensor, token_array
@@ -204,7 +205,7 @@ def messages_awaited() -> bool:
         return value == "1"
     if value:
         raise ValueError(f"DS4_MLX_AWAIT_MESSAGES must be 0 or 1, got {value!r}")
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return on_cuda_gpu()
 
 
 class _Chain:

@@ -126,10 +126,11 @@ def _to_device(weights: dict[str, Any], progress: Callable[[str, int, int], None
     which the GPU otherwise pages in at first touch, inside the first requests' prefill and decode steps."""
     import mlx.core as mx
 
+    from .backend import on_cuda_gpu
     from .kernels.fused import fault_in
     from .weights import QuantWeight
 
-    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+    if not on_cuda_gpu():
         return
     resident = [w for w in weights.values() if isinstance(w, (QuantWeight, mx.array))]  # not streamed experts
     arrays = [w.data if isinstance(w, QuantWeight) else w for w in resident]

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4_mlx.backend import on_cuda_gpu
 from ds4_mlx.distributed import even_split, expert_range, messages_awaited, split_layers, tensor_share
 from ds4_mlx.kvstore import snapshot_from_payload
 from ds4_mlx.loader import load
@@ -111,7 +111,7 @@ def test_awaited_messages_setting(monkeypatch):
     with pytest.raises(ValueError, match="must be 0 or 1"):
         messages_awaited()
     monkeypatch.delenv("DS4_MLX_AWAIT_MESSAGES")
-    assert messages_awaited() == (mx.default_device() == mx.gpu and mx.cuda.is_available())
+    assert messages_awaited() == on_cuda_gpu()
 
 
 @needs_launch
