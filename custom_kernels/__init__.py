@@ -84,9 +84,6 @@ MM_BN_CHOICES = (32, 64)
 MM_BN_WIDE_MIN = 24
 #: The experts' prefill kernel's epilogues: the plain product, and the SwiGLU of gate and up (``w2``).
 MM_PLAIN, MM_SWIGLU = 0, 1
-#: Weight types whose blocks the experts' prefill kernel stages ahead in shared memory on CUDA, when a row is whole
-#: 4-byte words (mm.body's ``ST``): the q2 model's experts. Q4_K's 144-byte blocks would not fit two buffers.
-MM_STAGED_TYPES = (QT.IQ2_XXS, QT.Q2_K)
 #: Largest f32 slab (elements) a dense prefill product dequantizes at once: 2**26 floats = 256 MiB.
 DEQ_MAX_ELEMS = 1 << 26
 #: Up to this many tokens, dense and gathered products use the matvec kernel.
@@ -401,13 +398,8 @@ def mv_reg_template(
             ("QY", bool(qy)))  # fmt: skip
 
 
-def mm_template(qtype: QT, bn: int, epi: int = MM_PLAIN, staged: bool = False) -> tuple:
-    return (("QT", int(qtype)), ("BN", bn), ("EPI", epi), ("ST", bool(staged)))
-
-
-def mm_staged(qtype: QT, row_bytes: int, backend: str) -> bool:
-    """Whether ``mm`` stages the weight blocks ahead (CUDA text only; rows of whole 4-byte words)."""
-    return backend in ("cuda", "sim") and qtype in MM_STAGED_TYPES and row_bytes % 4 == 0
+def mm_template(qtype: QT, bn: int, epi: int = MM_PLAIN) -> tuple:
+    return (("QT", int(qtype)), ("BN", bn), ("EPI", epi))
 
 
 def deq_template(qtype: QT) -> tuple:
@@ -437,8 +429,7 @@ def instantiations() -> list[Instantiation]:
                             out.append(Instantiation("mv", mv_template(qt, gather, nr, nsg, ks, epi, sh, xq)))
         for bn in MM_BN_CHOICES:
             for epi in (MM_PLAIN, MM_SWIGLU):
-                for staged in (False, True) if qt in MM_STAGED_TYPES else (False,):
-                    out.append(Instantiation("mm", mm_template(qt, bn, epi, staged)))
+                out.append(Instantiation("mm", mm_template(qt, bn, epi)))
         out.append(Instantiation("deq", deq_template(qt)))
     for h in INDEX_MM_HEADS:
         out.append(Instantiation("index_mm", (("H", h),)))
@@ -822,7 +813,7 @@ def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Ro
         inputs=[wb, x2 if x2.dtype == mx.bfloat16 else x2.astype(mx.bfloat16), routes.order, routes.tiles, params,
                 _dummy(mx.uint8) if w2 is None else weight_bytes(w2),
                 _dummy(mx.float32) if aux is None else _pad8(aux.astype(mx.float32), backend)],
-        template=list(mm_template(qw.qtype, routes.bn, epi, mm_staged(qw.qtype, wb.shape[-1], backend))),
+        template=list(mm_template(qw.qtype, routes.bn, epi)),
         grid=(routes.tiles.size // 4 * 256, -(-n_out // ro), 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(P, n_out)],

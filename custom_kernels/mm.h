@@ -42,13 +42,6 @@ DS_FN void ds_att_load8(ds_att_t* dst, const float* src, bool ok) {
 }
 #endif
 
-#if defined(DS_SIM)
-#define DS_ASYNC_COPY4(dst, src) ds_sim_copy4((dst), (src))
-#elif !defined(DS_METAL)  // mm.body's staged weight blocks (CUDA only)
-#define DS_ASYNC_COPY4(dst, src) \
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src))
-#endif
-
 // The experts' prefill product reads x as bfloat16 (the B tile's precision: rounding it once, before the launch,
 // gives the same tile values). ds_load_x8: 8 values of x as four words (or zeros); ds_store_x8: into the B tile.
 #if defined(DS_METAL)

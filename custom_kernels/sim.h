@@ -216,7 +216,6 @@ template <class T> inline T __shfl_sync(unsigned, T v, int src, int = 32) { retu
 
 // cp.async stand-ins (ds_prelude.h under DS_SIM): the copy happens at once; commit and wait do nothing.
 inline void ds_sim_copy8(void* dst, const void* src) { std::memcpy(dst, src, 8); }
-inline void ds_sim_copy4(void* dst, const void* src) { std::memcpy(dst, src, 4); }
 
 namespace nvcuda {
 namespace wmma {

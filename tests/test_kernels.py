@@ -293,36 +293,6 @@ def test_gather_swiglu(qt, case, bn):
     assert np.all(np.abs(got.reshape(N, k, F) - want) <= tol(want))
 
 
-@needs_gpu
-@pytest.mark.parametrize("qt", kernels.MM_STAGED_TYPES, ids=lambda q: q.name)
-def test_gather_staged_blocks_equal_the_register_path(qt, monkeypatch):
-    """CUDA's mm stages weight blocks ahead in shared memory for rows of whole words (n_in 1024: IQ2_XXS rows of
-    264 bytes, whose odd blocks start 2 bytes into a word): the same bits as the register path, both epilogues."""
-    rng = np.random.default_rng(int(qt) + 5)
-    E, F, n_in = 16, 70, 1024
-    gate, ref = make_weight(rng, qt, (E, F, n_in), np.float32)
-    up, _ = make_weight(rng, qt, (E, F, n_in), np.float32)
-    ids = GATHER_CASES["n33_unhit"](rng).astype(np.int32)
-    x = mx.array(rng.standard_normal((ids.shape[0], n_in)).astype(np.float32))
-    flat = mx.array(ids.reshape(-1))
-
-    def both():
-        plain = kernels.mm_gather(gate, x, flat, ids.shape[1], BACKEND, init=NAN)
-        swiglu = kernels.mm_gather_swiglu(gate, up, x, flat, ids.shape[1], 2.0, BACKEND, init=NAN)
-        return np.array(plain), np.array(swiglu.astype(mx.float32))
-
-    if BACKEND in ("cuda", "sim"):
-        assert kernels.mm_staged(qt, kernels.weight_bytes(gate).shape[-1], BACKEND)
-    staged = both()
-    monkeypatch.setattr(kernels, "mm_staged", lambda *a: False)
-    unstaged = both()
-    for a, b in zip(staged, unstaged):
-        assert not np.isnan(a).any()
-        np.testing.assert_array_equal(a, b)
-    xs = np.broadcast_to(np.array(x)[:, None], (*ids.shape, n_in))
-    assert rel_err(staged[0].reshape(*ids.shape, F), xs, ref[ids], "nki,nkoi->nko") <= BF16_TOL
-
-
 def _attention_reference(q, raw, comp, idx, sinks, keep, W, pos, ratio, k, scale):
     """float64: each query over its window rows and its visible (or listed) compressed rows, the sink in the softmax."""
     out = []
