@@ -1,13 +1,15 @@
 """GPU time of every kernel of one decode step, under NVIDIA Nsight Compute (CUDA only).
 
     ncu --graph-profiling node --metrics gpu__time_duration.sum --csv \
-        python benchmarks/kernel_profile.py [--layers 4] [--ctx 2100] [--steps 1] > ncu.csv
+        python benchmarks/kernel_profile.py [--layers 4] [--ctx 2100] [--steps 1] [--batch B] > ncu.csv
     python benchmarks/kernel_profile.py --summarize ncu.csv
 
 The run builds ``--layers`` full-width layers (random q2 weights), prefills ``--ctx`` tokens in one chunk,
 decodes a few warm-up tokens, then ``--steps`` measured tokens, each between two launches of a marker kernel
 (``ds4_marker``). ``--summarize`` keeps the kernels between the last two markers and sums their GPU time by
-kernel name: what the device itself spends on a decode step, without the host's launch cost.
+kernel name: what the device itself spends on a decode step, without the host's launch cost. ``--batch B``
+measures instead one step of B sessions decoded together (:func:`~ds4_mlx.session.step_batch`, as
+``serve --batched-session`` runs them), each holding the same ``--ctx`` tokens.
 
 ``--mv`` instead launches the decode matvec once per projection shape (``DECODE_SHAPES`` without the LM head),
 each after a marker; ``--compare-mv NEW.csv OLD.csv`` prints each shape's GPU time in two such logs (two kernel
@@ -46,21 +48,32 @@ def marker() -> None:
               output_dtypes=[mx.float32])[0])
 
 
-def run(layers: int, ctx: int, steps: int = 1) -> None:
+def run(layers: int, ctx: int, steps: int = 1, batch: int = 1) -> None:
     from ds4_mlx.model.model import Model
     from ds4_mlx.random_model import random_weights, shape_config
-    from ds4_mlx.session import Session
+    from ds4_mlx.session import Session, step_batch
 
     cfg = shape_config("full", layers)
     model = Model(cfg, random_weights(cfg, "q2"))
     sess = Session(model, chunk_size=ctx)
     sess.prefill([0] + np.random.default_rng(0).integers(2, cfg.n_vocab, ctx - 1).tolist())
-    tok = int(mx.argmax(sess.logits).item())
+    if batch == 1:
+        def step(tok: list[int]) -> list[int]:
+            return [int(mx.argmax(sess.step(tok[0])).item())]
+    else:
+        snap = sess.snapshot()
+        sessions = [Session(model, chunk_size=ctx, reserve=ctx + steps + 8) for _ in range(batch)]
+        for s in sessions:
+            s.restore(snap)
+
+        def step(tok: list[int]) -> list[int]:
+            return [int(mx.argmax(lg).item()) for lg in step_batch(sessions, tok)]
+    tok = [int(mx.argmax(sess.logits).item())] * batch
     for _ in range(4):
-        tok = int(mx.argmax(sess.step(tok)).item())
+        tok = step(tok)
     for _ in range(steps):  # each measured step between two markers
         marker()
-        tok = int(mx.argmax(sess.step(tok)).item())
+        tok = step(tok)
     marker()
 
 
@@ -149,6 +162,7 @@ if __name__ == "__main__":
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=2100)
     ap.add_argument("--steps", type=int, default=1, help="measured decode steps, each between two markers")
+    ap.add_argument("--batch", type=int, default=1, help="sessions decoded together in each step")
     ap.add_argument("--mv", action="store_true", help="instead: one launch of each decode matvec shape")
     ap.add_argument("--summarize", type=Path, default=None, help="an ncu --csv log of a decode step to summarize")
     ap.add_argument("--compare-mv", type=Path, nargs=2, metavar=("NEW", "OLD"), help="two ncu --csv logs of --mv")
@@ -158,4 +172,4 @@ if __name__ == "__main__":
     elif a.compare_mv:
         compare_mv(*a.compare_mv)
     else:
-        run_mv() if a.mv else run(a.layers, a.ctx, a.steps)
+        run_mv() if a.mv else run(a.layers, a.ctx, a.steps, a.batch)

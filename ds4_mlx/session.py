@@ -20,10 +20,11 @@ import mlx.core as mx
 from .model.model import Model, PrefillCancelled
 from .weights import EVAL_LOCK
 
-#: Tokens per model call in a prefill (ds4's default too): a chunk reads every weight once, so larger chunks
-#: spread those reads over more tokens; 2048 keeps the chunk's transient memory (attention score blocks, the
-#: routed experts' pairs) to a few hundred MB at the full shape.
-DEFAULT_CHUNK = 2048
+#: Tokens per model call in a prefill (ds4 uses 2048): a chunk decodes every routed expert's weights once per tile
+#: of its tokens, so longer chunks spread that work over more tokens. On the H200 a 32K prompt prefills 1.21x
+#: faster in chunks of 4096 than of 2048 for 2.7 GB more transient memory (8192: 1.40x for 10 GB more;
+#: benchmarks/RESULTS.md).
+DEFAULT_CHUNK = 4096
 
 
 def _arrays(obj, out: list | None = None) -> list[mx.array]:
