@@ -26,10 +26,12 @@ CACHE_MIN, CACHE_MAX = GiB // 4, 4 * GiB
 #: Wired on top of the weights and the KV state (Metal): room for a chunk's transients.
 WIRED_MARGIN = 2 * GiB
 # Prefill scratch beyond the KV state and the weights, per token of a chunk: the HC streams and their
-# mixes, the routed experts' activations and one row of logits, all f32 with a few live copies each.
-_SCRATCH_COPIES = 16
+# mixes, the routed experts' activations and one row of logits, all f32 with a few live copies each. On the
+# H200 (43 layers, q2) a 32K prompt's chunks of 2048 / 4096 / 8192 took MLX's peak 5.6 / 8.2 / 15.5 GB past
+# the weights and the KV state; this estimate gives 6.0 / 9.8 / 17.5 GB.
+_SCRATCH_COPIES = 11
 # Attention score blocks (attention.ATTN_BLOCK_BYTES) with their softmax copies, plus allocator slack.
-_SCRATCH_FIXED = 3 << 28
+_SCRATCH_FIXED = 2 << 30
 #: Most live sessions ``serve`` picks by itself (a ``--batched-session`` count of 0): the decode kernels take up
 #: to 8 tokens a launch.
 AUTO_SESSIONS_MAX = 8
