@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench as B
-from .cli_common import (SsdCacheOpt, SsdStreamingOpt, check_output_file, expert_cache_size, fail, follow, lead,
+from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, SsdCacheOpt, SsdStreamingOpt, check_output_file, expert_cache_size, fail, follow, lead,
                          parallel_group)
 from .distributed import Follower
 from .session import DEFAULT_CHUNK
@@ -56,14 +56,13 @@ def bench(
     step_incr: Optional[int] = typer.Option(None, "--step-incr", help="Next frontier = current + K (default 2048)."),
     step_mul: Optional[float] = typer.Option(None, "--step-mul", help="Next frontier = ceil(current * X)."),
     gen_tokens: int = typer.Option(128, "-n", "--gen-tokens", help="Greedy decode steps timed at each frontier."),
-    chunk: int = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", "--chunk", help="Prefill chunk size (tokens per model call)."),
+    chunk: int = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", "--chunk", help=PREFILL_CHUNK_HELP),
     csv_out: Optional[Path] = typer.Option(
         None, "--csv", help="Write the CSV here (ds4-bench's exact format; the system line goes to OUT.system.txt)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write a JSON summary here ('-' = stdout)."),
     seed: int = typer.Option(0, help="Seed of the random weights and of the generated token sequence."),
     numerics: str = typer.Option("ds4", help="Numeric profile: ds4 or hf."),
-    cache_limit_gb: Optional[float] = typer.Option(
-        None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."),
+    cache_limit_gb: Optional[float] = typer.Option(None, "--cache-limit-gb", help=CACHE_LIMIT_HELP),
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
     parallel: Optional[str] = typer.Option(

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from rich.console import Console
 from rich.table import Table
 
-from .cli_common import (ErrorLineGroup, LayersOpt, ParallelOpt, SsdCacheOpt, SsdStreamingOpt, check_output_file,
+from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, ErrorLineGroup, LayersOpt, ParallelOpt, SsdCacheOpt, SsdStreamingOpt, check_output_file,
                          check_sampling, expert_cache_size, fail, follow, lead, parallel_group, say)
 from .distributed import Follower
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
@@ -189,10 +189,8 @@ SeedOpt = typer.Option(None, "--seed", help="Random seed (default: time based)."
 ThinkOpt = typer.Option(False, "--think", help="Thinking mode (the default).")
 NoThinkOpt = typer.Option(False, "--nothink", help="Non-thinking mode: answer directly.")
 ThinkMaxOpt = typer.Option(False, "--think-max", help="Think Max (needs --ctx >= 393216, else normal thinking).")
-ChunkOpt = typer.Option(DEFAULT_CHUNK, "--prefill-chunk",
-                        help="Prompt tokens per model call (ds4 uses 2048; 8192 prefills long prompts faster where memory allows).")
-CacheLimitOpt = typer.Option(
-    None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none).")
+ChunkOpt = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", help=PREFILL_CHUNK_HELP)
+CacheLimitOpt = typer.Option(None, "--cache-limit-gb", help=CACHE_LIMIT_HELP)
 def _model_path(model: Optional[Path], demo: bool) -> Path:
     if demo:
         from .demo import demo_model_path

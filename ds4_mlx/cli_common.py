@@ -94,6 +94,11 @@ class ErrorLineGroup(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+# Help texts of options every command has, whose defaults live in heavier modules than this one (each command
+# builds the option with its default).
+PREFILL_CHUNK_HELP = "Prompt tokens per model call (ds4 uses 2048; 8192 prefills long prompts faster where memory allows)."
+CACHE_LIMIT_HELP = "MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."
+
 SsdStreamingOpt = typer.Option(
     False, "--ssd-streaming",
     help="Leave the routed experts in the GGUF and read them on demand into a device cache of fixed size "

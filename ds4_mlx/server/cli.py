@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from ..chat import ThinkMode
-from ..cli_common import (LayersOpt, ParallelOpt, SsdCacheOpt, SsdStreamingOpt, check_sampling, expert_cache_size,
+from ..cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, LayersOpt, ParallelOpt, SsdCacheOpt, SsdStreamingOpt, check_sampling, expert_cache_size,
                           parallel_group)
 from ..kvstore import CachePolicy
 from ..session import DEFAULT_CHUNK
@@ -163,9 +163,8 @@ def serve(
                                                        help="Cold/continued saves align to this (0 = off)."),
     kv_cache_reject_different_quant: bool = typer.Option(False, "--kv-cache-reject-different-quant",
                                                          help="Only load files written with the same expert quant."),
-    prefill_chunk: int = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", help="Prompt tokens per model call (ds4 uses 2048; 8192 prefills long prompts faster where memory allows)."),
-    cache_limit_gb: Optional[float] = typer.Option(
-        None, "--cache-limit-gb", help="MLX buffer cache limit in GiB (default: 5% of the weights, at most 4; 0 = none)."),
+    prefill_chunk: int = typer.Option(DEFAULT_CHUNK, "--prefill-chunk", help=PREFILL_CHUNK_HELP),
+    cache_limit_gb: Optional[float] = typer.Option(None, "--cache-limit-gb", help=CACHE_LIMIT_HELP),
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
     batched_session: int = typer.Option(1, "--batched-session", help="Live sessions served at once, each with its "
