@@ -11,7 +11,7 @@ from ds4_mlx.weights import QuantWeight
 from kernel_util import make_weight
 
 F32_TOL = 1e-6  # f32 weights × f32 x, f32 accumulation: max err / Σ|w·x|
-if mx.default_device() == mx.gpu and mx.cuda.is_available():
+if backend.on_cuda_gpu():
     # MLX-CUDA runs float32 GEMMs (N > 1) through TF32 tensor cores (10-bit mantissa inputs): seen 2.1e-4 on
     # the H200. The fallback is the CPU path; the GPU path is the custom kernels (tests/test_kernels.py).
     F32_TOL = 1e-3
