@@ -4,8 +4,8 @@
 
 The tiny random model (``ds4_mlx.testing.make_tiny_gguf``) is run on the CPU device in f32 (the exact
 reference, which equals transformers in the tests). Then, on any machine, the same pass with the operands of
-every product of more than ``MV_MAX_TOKENS`` tokens rounded to bf16: what the prefill matmul kernel's tiles do
-(``mm.body``, ``DS_TILE``). With a GPU, also the GPU's own prefill, with the kernels and with MLX alone
+the routed experts' products of more than ``MV_MAX_TOKENS`` tokens rounded to f16: what the prefill kernel's
+tiles do (``mm.body``, docs/quants.md §8 ruling 2). With a GPU, also the GPU's own prefill, with the kernels and with MLX alone
 (``DS4_MLX_KERNELS=fallback``, whose f32 products may use TF32), and one-token decode steps. Reported per run:
 max |logit difference| over all positions, relative to the largest exact logit.
 """
@@ -31,32 +31,32 @@ from ds4_mlx.session import Session  # noqa: E402
 from ds4_mlx.testing import make_tiny_gguf  # noqa: E402
 
 
-def _bf16(a: mx.array) -> mx.array:
-    return a.astype(mx.bfloat16).astype(mx.float32)
+def _f16(a: mx.array) -> mx.array:
+    return a.astype(mx.float16).astype(mx.float32)
 
 
-class Bf16Operands:
-    """CPU fallback products of more than MV_MAX_TOKENS tokens with both operands rounded to bf16."""
+class F16RoutedOperands:
+    """CPU fallback: the routed experts' products of more than MV_MAX_TOKENS tokens with both operands rounded
+    to f16 (the MLX path: chunks shorter than ``host.MIN_TOKENS``)."""
 
     def __enter__(self):
-        self.saved = (W.QuantWeight.matmul, W.QuantWeight.gather_matmul, quants.dequantize)
-        matmul, gather_matmul, dequantize = self.saved
+        self.saved = (W.QuantWeight.gather_matmul, quants.dequantize)
+        gather_matmul, dequantize = self.saved
 
-        def rounded(product, x, *rest, self_w):
+        def rounded(w, x, ids):
             if x.ndim < 2 or x.shape[0] <= MV_MAX_TOKENS:
-                return product(self_w, x, *rest)
-            quants.dequantize = lambda data, qtype: _bf16(dequantize(data, qtype))
+                return gather_matmul(w, x, ids)
+            quants.dequantize = lambda data, qtype: _f16(dequantize(data, qtype))
             try:
-                return product(self_w, _bf16(x), *rest)
+                return gather_matmul(w, _f16(x), ids)
             finally:
                 quants.dequantize = dequantize
 
-        W.QuantWeight.matmul = lambda w, x: rounded(matmul, x, self_w=w)
-        W.QuantWeight.gather_matmul = lambda w, x, ids: rounded(gather_matmul, x, ids, self_w=w)
+        W.QuantWeight.gather_matmul = rounded
         return self
 
     def __exit__(self, *exc):
-        W.QuantWeight.matmul, W.QuantWeight.gather_matmul, quants.dequantize = self.saved
+        W.QuantWeight.gather_matmul, quants.dequantize = self.saved
 
 
 def rel_err(got: np.ndarray, ref: np.ndarray, scale: float) -> float:
@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> dict:
     scale = float(np.abs(exact).max())
     res: dict[str, float] = {}
     for T in args.tokens:
-        with Bf16Operands():
+        with F16RoutedOperands():
             sim = np.array(model(tokens[:T], 0, model.make_cache(), all_logits=True))
-        res[f"T={T} cpu, bf16 operands"] = rel_err(sim, exact[:T], scale)
+        res[f"T={T} cpu, routed f16 operands"] = rel_err(sim, exact[:T], scale)
     if gpu:
         mx.set_default_device(mx.gpu)
         saved = os.environ.get("DS4_MLX_KERNELS")

@@ -19,7 +19,7 @@ Kernels:
   straight into registers instead of staging spans in threadgroup memory; where measured faster on CUDA (the
   routed gate+up with quantized x, the F16 matvecs), ``mv`` dispatches to it.
 - ``mm``: the routed experts' prefill product (``mul_mm_id`` over a pair list sorted by expert): 128 weight rows
-  by 32 or 64 tokens a threadgroup, bf16 tiles, f32 accumulation (docs/quants.md §8 ruling 2); an epilogue for the
+  by 32 or 64 tokens a threadgroup, f16 tiles, f32 accumulation (docs/quants.md §8 ruling 2); an epilogue for the
   experts' SwiGLU of gate and up in one launch.
 - ``deq``: weight rows decoded to exact f32, for the dense prefill products, which then run on MLX's own matmul
   (cuBLAS on CUDA, TF32 tensor cores with f32 accumulation).
@@ -248,12 +248,35 @@ def render_prelude(backend: str) -> str:
     return define + _read("ds_prelude.h")
 
 
+@lru_cache(maxsize=None)
+def iq2_f16_words() -> tuple[str, str]:
+    """mm's IQ2_XXS tables on CUDA (mm.h): each grid vector's 8 magnitudes as f16, and each 7-bit sign index's 8
+    signs (with the parity bit, docs/quants.md §1.4) as f16 sign bits, 4 u32 words an entry."""
+    grid = iq2xxs_grid_bytes().reshape(256, 8).astype(np.float16).view("<u4")  # [256, 4]
+    idx = np.arange(128, dtype=np.uint32)
+    signs = idx | ((np.array([bin(int(i)).count("1") for i in idx], np.uint32) & 1) << 7)
+    bits = (signs[:, None] >> np.arange(8, dtype=np.uint32)) & 1  # [128, 8]: weight j negative
+    masks = (bits[:, 0::2] << 15) | (bits[:, 1::2] << 31)  # [128, 4]: weights 2i, 2i + 1 of word i
+    rows = lambda a: ", ".join("{" + ", ".join(f"0x{int(w):08x}u" for w in r) + "}" for r in a)  # noqa: E731
+    return rows(grid), rows(masks)
+
+
+def mm_f16_defines(iq2_grid: bool) -> str:
+    """``DS_MM_F16``: mm's CUDA tiles decode in f16, with IQ2_XXS's f16 tables (zeros where none is read)."""
+    grid_h, sign_h = iq2_f16_words() if iq2_grid else ("0u", "0u")
+    return f"#define DS_MM_F16\n#define DS_IQ2_GRID_H_WORDS {grid_h}\n#define DS_IQ2_SIGN_H_WORDS {sign_h}\n"
+
+
 def render_header(kind: str, backend: str, iq2_grid: bool = True) -> str:
     """Quant kernel ``kind``'s ``header``: the prelude, the IQ2 grid (a zero placeholder where no IQ2_XXS
-    weight is read, see ds_quant.h), ds_quant.h, then the kernel's own helpers (``<kind>.h``)."""
+    weight is read, see ds_quant.h), ds_quant.h, then the kernel's own helpers (``<kind>.h``). ``mm`` on CUDA
+    also gets :func:`mm_f16_defines`."""
     words = iq2_grid_words() if iq2_grid else "0u"
     own = HEADER_OF.get(kind, kind)
-    return f"{render_prelude(backend)}#define DS_IQ2_GRID_WORDS {words}\n{_read('ds_quant.h')}{_read(f'{own}.h')}"
+    defines = f"#define DS_IQ2_GRID_WORDS {words}\n"
+    if kind == "mm" and backend != "metal":
+        defines += mm_f16_defines(iq2_grid)
+    return f"{render_prelude(backend)}{defines}{_read('ds_quant.h')}{_read(f'{own}.h')}"
 
 
 def render_source(kind: str, backend: str) -> str:
@@ -459,10 +482,10 @@ def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
     parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cooperative_groups.h>\n#include <mma.h>\n"]
     for i, inst in enumerate(insts):
         t = dict(inst.template)
-        x_bf16 = inst.kind == "mm"  # the experts' prefill product reads x as bf16; its SwiGLU writes bf16
-        params = ", ".join(f"const {'__nv_bfloat16' if n == 'x' and x_bf16 else _CUDA_DTYPES[n]}* {n}"
+        x_f16 = inst.kind == "mm"  # the experts' prefill product reads x as f16; its SwiGLU writes f16
+        params = ", ".join(f"const {'__half' if n == 'x' and x_f16 else _CUDA_DTYPES[n]}* {n}"
                            for n in INPUTS[inst.kind])
-        params += f", {'__nv_bfloat16' if x_bf16 and t.get('EPI') == MM_SWIGLU else 'float'}* y"
+        params += f", {'__half' if x_f16 and t.get('EPI') == MM_SWIGLU else 'float'}* y"
         consts = "".join(
             f"constexpr bool {k} = {'true' if v else 'false'};\n" if isinstance(v, bool) else f"constexpr int {k} = {v};\n"
             for k, v in inst.template
@@ -682,7 +705,7 @@ def dequantize(qw, backend: str, rows: tuple[int, int] | None = None) -> mx.arra
 def dense_matmul(qw, x2: mx.array, backend: str) -> mx.array:
     """``x2 [N, in] @ W.T`` -> float32 ``[N, out]`` for a prefill chunk: the weight decoded to f32 (``deq``), at
     most DEQ_MAX_ELEMS of it at a time, times x with MLX's matmul (cuBLAS on CUDA: TF32 tensor cores with f32
-    accumulation, finer than the bf16 tiles of ``mm``). The f32 slabs are transient: nothing stays resident."""
+    accumulation, finer than the f16 tiles of ``mm``). The f32 slabs are transient: nothing stays resident."""
     n_out, n_in = qw.shape
     step = max(1, DEQ_MAX_ELEMS // n_in)
     if step >= n_out:
@@ -810,22 +833,30 @@ def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Ro
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(aux is not None))
     ro = 64 if epi == MM_SWIGLU else 128
     return get_kernel("mm", backend, qw.qtype == QT.IQ2_XXS)(
-        inputs=[wb, x2 if x2.dtype == mx.bfloat16 else x2.astype(mx.bfloat16), routes.order, routes.tiles, params,
+        inputs=[wb, _f16(x2), routes.order, routes.tiles, params,
                 _dummy(mx.uint8) if w2 is None else weight_bytes(w2),
                 _dummy(mx.float32) if aux is None else _pad8(aux.astype(mx.float32), backend)],
         template=list(mm_template(qw.qtype, routes.bn, epi)),
         grid=(routes.tiles.size // 4 * 256, -(-n_out // ro), 1),
         threadgroup=(256, 1, 1),
         output_shapes=[(P, n_out)],
-        output_dtypes=[mx.bfloat16 if epi == MM_SWIGLU else mx.float32],
+        output_dtypes=[mx.float16 if epi == MM_SWIGLU else mx.float32],
         init_value=init,  # tests pass NaN to catch unwritten outputs
     )[0]  # fmt: skip
+
+
+F16_MAX = 65504.0
+
+
+def _f16(x: mx.array) -> mx.array:
+    """``x`` as mm reads it: f16, held within f16's finite range (a value past it would be an infinity)."""
+    return x if x.dtype == mx.float16 else mx.clip(x, -F16_MAX, F16_MAX).astype(mx.float16)
 
 
 def mm_gather(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, *, routes: Routes | None = None,
               init=None) -> mx.array:  # fmt: skip
     """The routed experts' prefill product: flat expert ids ``[P]`` (pair p = token·k_slots + slot), ``x2`` one
-    row per token ``[P/k, in]`` or per pair ``[P, in]`` (f32 or bf16: the kernel reads it as bf16) -> float32
+    row per token ``[P/k, in]`` or per pair ``[P, in]`` (any float type: the kernel reads it as f16) -> float32
     ``[P, out]``, row p = ``W[flat[p]] @ x(p)``. ``routes``: :func:`routes_for` of ``flat``, to share."""
     return _mm(qw, x2, flat, k_slots, backend, routes, MM_PLAIN, init=init)
 
@@ -833,8 +864,8 @@ def mm_gather(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, *, r
 def mm_gather_swiglu(gate, up, x2: mx.array, flat: mx.array, k_slots: int, clamp: float, backend: str, *,
                      route_w: mx.array | None = None, routes: Routes | None = None, init=None) -> mx.array:  # fmt: skip
     """The routed experts' SwiGLU in one launch: ``silu(min(g, c)) * clamp(u, -c, c)`` of ``g = gate[e] x``,
-    ``u = up[e] x`` (no clamp if ``clamp`` <= 0), times the route weight ``route_w [P]`` if given -> bfloat16
-    ``[P, F]`` (the down product's input, rounded as its bf16 tiles round it). Shapes as :func:`mm_gather`."""
+    ``u = up[e] x`` (no clamp if ``clamp`` <= 0), times the route weight ``route_w [P]`` if given -> float16
+    ``[P, F]`` (the down product's input, rounded as its f16 tiles round it). Shapes as :func:`mm_gather`."""
     if (gate.shape, gate.qtype) != (up.shape, up.qtype):
         raise ValueError(f"mm: gate {gate!r} and up {up!r} differ")
     if route_w is not None and route_w.size != flat.size:

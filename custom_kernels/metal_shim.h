@@ -33,10 +33,18 @@ struct uint4 {
   uint4(uint a, uint b, uint c, uint d) : x(a), y(b), z(c), w(d) {}
 };
 struct ulong2 { ulong x, y; ulong2(ulong a, ulong b) : x(a), y(b) {} };
+struct half2 { half x, y; };
+struct float2 {
+  float x, y;
+  float2() = default;
+  float2(float a, float b) : x(a), y(b) {}
+  explicit float2(half2 h) : x(h.x), y(h.y) {}
+};
 struct float4 {
   float x, y, z, w;
   float4() = default;
   float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
+  float4(float2 a, float2 b) : x(a.x), y(a.y), z(b.x), w(b.y) {}
 };
 
 template <typename T, typename U>

@@ -42,23 +42,30 @@ DS_FN void ds_att_load8(ds_att_t* dst, const float* src, bool ok) {
 }
 #endif
 
-// The experts' prefill product reads x as bfloat16 (the B tile's precision: rounding it once, before the launch,
-// gives the same tile values). ds_load_x8: 8 values of x as four words (or zeros); ds_store_x8: into the B tile.
+// The experts' prefill product (mm.body) multiplies f16 tiles, as ds4's Metal prefill does (docs/quants.md §8
+// ruling 2): its x comes as f16 (rounded once, before the launch), its SwiGLU writes f16. On Metal the tiles
+// hold the f16-rounded values as f32 (simdgroup_float8x8). ds_load_x8: 8 values of x as four words (or zeros);
+// ds_store_x8: into the B tile; ds_mm_store4: 4 weights into the A tile.
 #if defined(DS_METAL)
-typedef bfloat16_t ds_xin_t;
+typedef float ds_mm_t;
+typedef half ds_xin_t;
 DS_FN uint4 ds_load_x8(const device ds_xin_t* src, bool ok) {
   if (!ok) return uint4(0u, 0u, 0u, 0u);
   const device uint4* p = (const device uint4*)src;
   return *p;
 }
-DS_FN float ds_bf16_lo(uint32_t w) { return as_type<float>(w << 16); }
-DS_FN float ds_bf16_hi(uint32_t w) { return as_type<float>(w & 0xffff0000u); }
-DS_FN void ds_store_x8(threadgroup ds_tile_t* dst, uint4 v) {
-  *((threadgroup float4*)dst) = float4(ds_bf16_lo(v.x), ds_bf16_hi(v.x), ds_bf16_lo(v.y), ds_bf16_hi(v.y));
-  *((threadgroup float4*)(dst + 4)) = float4(ds_bf16_lo(v.z), ds_bf16_hi(v.z), ds_bf16_lo(v.w), ds_bf16_hi(v.w));
+DS_FN float2 ds_h2_f(uint32_t w) { return float2(as_type<half2>(w)); }
+DS_FN void ds_store_x8(threadgroup ds_mm_t* dst, uint4 v) {
+  *((threadgroup float4*)dst) = float4(ds_h2_f(v.x), ds_h2_f(v.y));
+  *((threadgroup float4*)(dst + 4)) = float4(ds_h2_f(v.z), ds_h2_f(v.w));
 }
+DS_FN void ds_mm_store4(threadgroup ds_mm_t* dst, float a, float b, float c, float d) {
+  *((threadgroup float4*)dst) = float4(DS_F16R(a), DS_F16R(b), DS_F16R(c), DS_F16R(d));
+}
+#define DS_MM_A_SCALE(qt) 1.0f
 #else
-typedef __nv_bfloat16 ds_xin_t;
+typedef __half ds_mm_t;
+typedef __half ds_xin_t;
 DS_FN uint4 ds_load_x8(const ds_xin_t* src, bool ok) {  // 16 bytes, 16-byte aligned
   uint4 v;
   if (ok) {
@@ -68,7 +75,29 @@ DS_FN uint4 ds_load_x8(const ds_xin_t* src, bool ok) {  // 16 bytes, 16-byte ali
   }
   return v;
 }
-DS_FN void ds_store_x8(ds_tile_t* dst, uint4 v) { *((uint4*)dst) = v; }  // bf16 tiles: the bits as they are
+DS_FN void ds_store_x8(ds_mm_t* dst, uint4 v) { *((uint4*)dst) = v; }  // f16 tiles: the bits as they are
+
+// Two f16 products in a word (PTX mul.rn.f16x2: one instruction, rounding to nearest even; sim.h computes the same).
+#if defined(DS_SIM)
+#define ds_h2_mul ds_sim_hmul2
+#else
+DS_FN uint32_t ds_h2_mul(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+#endif
+// f in both halves of a word, rounded to f16.
+DS_FN uint32_t ds_h2_splat(float f) { return (uint32_t)__half_as_ushort(__float2half_rn(f)) * 0x10001u; }
+
+// IQ2_XXS in f16 (DS_MM_F16 kernels only): each grid vector's 8 magnitudes as f16 (4 words), and each sign
+// index's 8 signs as the sign bits of 8 f16 values (docs/quants.md §1.4).
+#if defined(DS_MM_F16)
+DS_TABLE uint4 ds_iq2_grid_h[256] = {DS_IQ2_GRID_H_WORDS};
+DS_TABLE uint4 ds_iq2_sign_h[128] = {DS_IQ2_SIGN_H_WORDS};
+#endif
+// The A tile of IQ2_XXS holds 8 times the weights (below); the product is scaled back in mm's epilogue.
+#define DS_MM_A_SCALE(qt) ((qt) == DS_IQ2_XXS ? 0.125f : 1.0f)
 #endif
 
 // 16 weights (half `hf` of unit u of a row) in two steps, so a kernel can issue the loads of its next tile before it
@@ -193,3 +222,30 @@ DS_FN void ds_deq16(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf, 
   const ds_raw16 r = ds_raw16_load(qt, row, u, hf);
   ds_raw16_decode(qt, r, u, hf, out);
 }
+
+#if defined(DS_MM_F16)
+// 16 weights (as ds_raw16_decode) as 8 words of f16 pairs for mm's tiles, each rounded once. IQ2_XXS in f16x2
+// products, ~1.5 instructions a weight against ~6 in f32: 8·w = (g·(2ls + 1))·d, the integer product exact in f16
+// (≤ 1333), so the one rounding is the product by d (DS_MM_A_SCALE takes the 8 back). Other types: decoded
+// exactly in f32, then rounded (Q2_K's min term would cancel in f16: dl·q − ml, both rounded, is off by many ulps).
+DS_FN void ds_raw16_decode_h(int qt, const ds_raw16& r, uint32_t u, uint32_t hf, uint32_t* out) {
+  if (qt == DS_IQ2_XXS) {
+    const uint32_t A = r.w[0], B = r.w[1];
+    const uint32_t s = ds_h2_splat(ds_u2f(2u * (B >> 28) + 1u)), d = (r.s0 & 0xffffu) * 0x10001u;
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const uint32_t k = 2 * hf + kk;
+      const uint4 g = ds_iq2_grid_h[(A >> (8 * k)) & 255u], m = ds_iq2_sign_h[(B >> (7 * k)) & 127u];
+      out[4 * kk + 0] = ds_h2_mul(ds_h2_mul(g.x, s), d) ^ m.x;
+      out[4 * kk + 1] = ds_h2_mul(ds_h2_mul(g.y, s), d) ^ m.y;
+      out[4 * kk + 2] = ds_h2_mul(ds_h2_mul(g.z, s), d) ^ m.z;
+      out[4 * kk + 3] = ds_h2_mul(ds_h2_mul(g.w, s), d) ^ m.w;
+    }
+  } else {
+    float v[16];
+    ds_raw16_decode(qt, r, u, hf, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = ds_half2_bits(v[2 * i], v[2 * i + 1]);
+  }
+}
+#endif

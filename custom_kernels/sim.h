@@ -31,6 +31,7 @@ struct uint4 { unsigned x, y, z, w; };
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return float2{a, b}; }
 
 template <class T, class U>
@@ -46,6 +47,15 @@ inline float __half2float(__half h) { return (float)h; }
 inline __half __float2half_rn(float f) { return __half(f); }
 inline __half __ushort_as_half(unsigned short u) { __half h; h.bits = u; return h; }
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+// PTX's mul.rn.f16x2 on words: each half's product exact in double (two f16 values' product fits its 53 bits),
+// rounded once to f16.
+inline double ds_sim_h(uint32_t w, int i) { return (double)ds_sim_bits<_Float16>((uint16_t)(w >> (16 * i))); }
+inline uint32_t ds_sim_h2(double lo, double hi) {
+  return ds_sim_bits<uint16_t>((_Float16)lo) | ((uint32_t)ds_sim_bits<uint16_t>((_Float16)hi) << 16);
+}
+inline uint32_t ds_sim_hmul2(uint32_t a, uint32_t b) {
+  return ds_sim_h2(ds_sim_h(a, 0) * ds_sim_h(b, 0), ds_sim_h(a, 1) * ds_sim_h(b, 1));
+}
 
 inline uint16_t ds_sim_bf16_bits(float f) {  // round to nearest even; NaN stays a (quiet) NaN
   const uint32_t u = ds_sim_bits<uint32_t>(f);
@@ -235,6 +245,7 @@ template <class U, int M, int N, int K, class T, class L>
 inline void fill_fragment(fragment<U, M, N, K, T, L>& f, float v) { for (float& e : f.x) e = v; }
 inline float ds_sim_wmma_elem(const __nv_bfloat16& v) { return __bfloat162float(v); }
 inline float ds_sim_wmma_elem(const float& v) { return v; }
+inline float ds_sim_wmma_elem(const __half& v) { return __half2float(v); }
 template <class U, int M, int N, int K, class T, class L, class P>
 inline void load_matrix_sync(fragment<U, M, N, K, T, L>& f, const P* p, unsigned ldm) {
   using F = fragment<U, M, N, K, T, L>;

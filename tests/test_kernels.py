@@ -21,17 +21,16 @@ from kernel_util import (
 kernels = _kernels()
 
 F32_TOL = 1e-6  # decode kernels: exact weights, f32 activations and accumulation
-BF16_TOL = 4e-3  # prefill: bf16 weights and activations (each rounding ≤ 2^-9), f32 accumulation
-BF16_EMU_TOL = 2e-5  # prefill vs a float64 product of the same bf16-rounded operands: only f32 accumulation
+TF32_TOL = 4e-3  # dense prefill products: cuBLAS on TF32 tensor cores (each rounding ≤ 2^-11), f32 accumulation
+MM_TOL = 2e-3  # the routed prefill product: f16 weights and activations (each rounding ≤ 2^-11), f32 accumulation
+MM_EMU_TOL = 2e-5  # mm vs a float64 product of the same f16-rounded operands: only f32 accumulation
 XQ_TOL = 5e-3  # x quantized to signed bytes (the routed experts on CUDA, docs/quants.md §5.3)
 XQ_EMU_TOL = 2e-6  # quantized x vs a float64 product of the same quantized x: only f32 scales and sums
 
 
-def bf16(a: np.ndarray) -> np.ndarray:
-    """Round f32 → bf16 (RNE) → f32, as the prefill tiles do."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    return u.astype(np.uint32).view(np.float32)
+def f16(a: np.ndarray) -> np.ndarray:
+    """Round f32 → f16 (RNE) → f32, as the routed prefill product's tiles do."""
+    return np.asarray(a, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
 def rel_err(y, x, w, spec) -> float:
@@ -238,13 +237,13 @@ def test_gather(qt, case, per_slot):
         tol, emu = F32_TOL, False
     else:
         y = kernels.mm_gather(w, x2, flat, k, BACKEND, init=NAN)
-        tol, emu = BF16_TOL, True
+        tol, emu = MM_TOL, True
     y = np.array(y).reshape(N, k, out)
     assert not np.isnan(y).any()
     xs = x if per_slot else np.broadcast_to(x[:, None], (N, k, w.shape[2]))
     assert rel_err(y, xs, ref[ids], "nki,nkoi->nko") <= tol
     if emu:
-        assert rel_err(y, bf16(xs), bf16(ref)[ids], "nki,nkoi->nko") <= BF16_EMU_TOL
+        assert rel_err(y, f16(xs), f16(ref)[ids], "nki,nkoi->nko") <= MM_EMU_TOL
     # pair-major order and the public entry point agree
     with kernel_backend_set(BACKEND):
         y2 = np.array(w.gather_matmul(mx.array(x), mx.array(ids)))
@@ -257,7 +256,7 @@ def test_gather(qt, case, per_slot):
 @pytest.mark.parametrize("bn", kernels.MM_BN_CHOICES)
 def test_gather_swiglu(qt, case, bn):
     """mm's SwiGLU epilogue: gate and up of the same expert rows in one tile, clamped SwiGLU times the route
-    weight, rounded to bf16; both token tile widths, an expert with more pairs than a tile, unhit experts."""
+    weight, rounded to f16; both token tile widths, an expert with more pairs than a tile, unhit experts."""
     rng = np.random.default_rng(int(qt) * 11 + len(case) + bn)
     E, F = 16, 70  # F not a multiple of the tile's 64 rows
     gate, g_ref = make_weight(rng, qt, (E, F, n_in_for(qt)), np.float32)
@@ -271,25 +270,25 @@ def test_gather_swiglu(qt, case, bn):
     clamp = 2.0
     got = kernels.mm_gather_swiglu(gate, up, mx.array(x), flat, k, clamp, BACKEND, route_w=mx.array(rw),
                                    routes=routes, init=NAN)  # fmt: skip
-    assert got.dtype == mx.bfloat16 and got.shape == (N * k, F)
+    assert got.dtype == mx.float16 and got.shape == (N * k, F)
     got = np.array(got.astype(mx.float32)).reshape(N, k, F)
     assert not np.isnan(got).any()
-    xb = bf16(x).astype(np.float64)
+    xb = f16(x).astype(np.float64)
 
-    def swiglu(g, u, c):  # f64, from the products of the same bf16 operands
+    def swiglu(g, u, c):  # f64, from the products of the same f16 operands
         g, u = (np.minimum(g, c), np.clip(u, -c, c)) if c > 0 else (g, u)
         with np.errstate(over="ignore"):
             return g / (1 + np.exp(-g)) * u
 
-    g = np.einsum("ni,nkoi->nko", xb, bf16(g_ref)[ids].astype(np.float64))
-    u = np.einsum("ni,nkoi->nko", xb, bf16(u_ref)[ids].astype(np.float64))
-    # the bf16 result's rounding (2^-9), plus f32 accumulation where a product nearly cancels
-    tol = lambda want: 2**-8 * np.abs(want) + 1e-4 * np.abs(want).max()  # noqa: E731
+    g = np.einsum("ni,nkoi->nko", xb, f16(g_ref)[ids].astype(np.float64))
+    u = np.einsum("ni,nkoi->nko", xb, f16(u_ref)[ids].astype(np.float64))
+    # the f16 result's rounding (2^-11), plus f32 accumulation where a product nearly cancels
+    tol = lambda want: 2**-10 * np.abs(want) + 1e-4 * np.abs(want).max()  # noqa: E731
     want = swiglu(g, u, clamp) * rw[..., None]
     assert np.all(np.abs(got - want) <= tol(want))
-    # no route weights, no clamp: the plain SwiGLU of the two products
+    # no route weights, no clamp: the plain SwiGLU of the two products, held within f16's finite range
     got = np.array(kernels.mm_gather_swiglu(gate, up, mx.array(x), flat, k, 0.0, BACKEND).astype(mx.float32))
-    want = swiglu(g, u, 0.0)
+    want = np.clip(swiglu(g, u, 0.0), -kernels.F16_MAX, kernels.F16_MAX)
     assert np.all(np.abs(got.reshape(N, k, F) - want) <= tol(want))
 
 
@@ -331,6 +330,21 @@ def test_attention_chunk(D, H, T, keep, W, pos, ratio, k, listed):
     want = _attention_reference(q.astype(np.float16), raw, comp, idx, sinks, keep, W, pos, ratio, k, D**-0.5)
     assert got.shape == (T, H, D)
     assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()  # probabilities in f16
+
+
+@needs_gpu
+def test_mm_holds_f16_range():
+    """mm reads x and writes the SwiGLU's output as f16: values past ±65504 are held at it, never infinities."""
+    rng = np.random.default_rng(8)
+    gate, _ = make_weight(rng, QT.IQ2_XXS, (2, 64, 256), np.float32)
+    up, _ = make_weight(rng, QT.IQ2_XXS, (2, 64, 256), np.float32)
+    x = rng.standard_normal((9, 256)).astype(np.float32) * 1e4
+    x[0, :4] = [1e6, -1e6, np.inf, -np.inf]  # past f16's range in x
+    flat = mx.array(rng.integers(0, 2, 9).astype(np.int32))
+    mid = np.array(kernels.mm_gather_swiglu(gate, up, mx.array(x), flat, 1, 0.0, BACKEND).astype(mx.float32))
+    assert np.isfinite(mid).all() and np.abs(mid).max() == kernels.F16_MAX  # products of ~1e4 overflow f16
+    y = np.array(kernels.mm_gather(gate, mx.array(x), flat, 1, BACKEND))
+    assert np.isfinite(y).all()
 
 
 def test_mm_rejects_mismatched_inputs():
@@ -462,7 +476,7 @@ def test_quantweight_matmul_dispatch(qt, N):
     x = rng.standard_normal((N, w.shape[1])).astype(np.float32)
     with kernel_backend_set(BACKEND):
         y = np.array(w.matmul(mx.array(x)))
-    tol = F32_TOL if N <= kernels.MV_MAX_TOKENS else BF16_TOL
+    tol = F32_TOL if N <= kernels.MV_MAX_TOKENS else TF32_TOL
     if qt == QT.Q8_0 and kernels.q8_mode() == "affine":
         tol = 1e-5
     assert rel_err(y, x, ref, "ni,oi->no") <= tol

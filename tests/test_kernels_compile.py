@@ -27,7 +27,7 @@ sys.path.insert(0, sys.argv[1])
 from ds4_mlx.weights import _kernels
 k = _kernels()
 def arrays(kind):
-    x = mx.zeros((64,), dtype=mx.bfloat16 if kind == "mm" else mx.float32)  # mm reads x as bf16
+    x = mx.zeros((64,), dtype=mx.float16 if kind == "mm" else mx.float32)  # mm reads x as f16
     common = dict(w=mx.zeros((64,), dtype=mx.uint8), x=x, ids=mx.zeros((8,), dtype=mx.int32),
                   tiles=mx.zeros((8,), dtype=mx.int32), params=mx.zeros((8,), dtype=mx.int32),
                   w2=mx.zeros((64,), dtype=mx.uint8), aux=mx.zeros((8,)), ws=mx.zeros((64,), dtype=mx.uint8),
@@ -35,8 +35,8 @@ def arrays(kind):
                   raw=mx.zeros((64,), dtype=mx.float16), comp=mx.zeros((64,), dtype=mx.float16),
                   idx=mx.zeros((8,), dtype=mx.int32), sinks=mx.zeros((8,)))
     return [common[n] for n in k.INPUTS[kind]]
-def out_dtype(inst):  # mm's SwiGLU writes bf16
-    return mx.bfloat16 if inst.kind == "mm" and dict(inst.template)["EPI"] == k.MM_SWIGLU else mx.float32
+def out_dtype(inst):  # mm's SwiGLU writes f16
+    return mx.float16 if inst.kind == "mm" and dict(inst.template)["EPI"] == k.MM_SWIGLU else mx.float32
 d = tempfile.mkdtemp()
 for i, inst in enumerate(k.instantiations()):
     kern = k.get_kernel(inst.kind, "metal", inst.iq2_grid)
@@ -104,12 +104,16 @@ def test_instantiation_matrix_covers_every_type_and_kind():
 
 
 def test_rendered_sources_share_one_body():
-    """Metal and CUDA sources differ only in the prologue and the backend define."""
+    """Metal and CUDA sources differ only in the prologue and the backend define (and mm's f16 decoding, which
+    only its CUDA tiles use)."""
     for kind in kernels.INPUTS:
         m, c = kernels.render_source(kind, "metal"), kernels.render_source(kind, "cuda")
         assert m[len(kernels.minify(kernels.METAL_PROLOGUE)):] == c[len(kernels.minify(kernels.CUDA_PROLOGUE)):]
         for grid in (True, False):
             hm, hc = kernels.render_header(kind, "metal", grid), kernels.render_header(kind, "cuda", grid)
+            if kind == "mm":
+                assert kernels.mm_f16_defines(grid) in hc
+                hc = hc.replace(kernels.mm_f16_defines(grid), "", 1)
             assert hm.replace("DS_METAL", "DS_CUDA", 1) == hc
     assert kernels.iq2_grid_words().count("0x") == 512
 

@@ -85,7 +85,7 @@ class MoE:
 
     def _routed_chunk(self, experts: tuple, n: mx.array, sel: mx.array, w: mx.array, chunk: int) -> mx.array | None:
         """The routed experts of a prefill chunk on the kernel backends, in two launches over the pairs sorted by
-        expert once: gate+up with the SwiGLU and the route weight as epilogue (``mid`` in bf16, the down tiles'
+        expert once: gate+up with the SwiGLU and the route weight as epilogue (``mid`` in f16, the down tiles'
         precision), then down; each token's k products summed. None where the kernels do not apply."""
         backend = kernel_backend()
         T, k = sel.shape
