@@ -43,12 +43,12 @@ class F16RoutedOperands:
         self.saved = (W.QuantWeight.gather_matmul, quants.dequantize)
         gather_matmul, dequantize = self.saved
 
-        def rounded(w, x, ids):
-            if x.ndim < 2 or x.shape[0] <= MV_MAX_TOKENS:
-                return gather_matmul(w, x, ids)
+        def rounded(w, x, ids, out_shape=None):
+            if ids.shape[0] <= MV_MAX_TOKENS:
+                return gather_matmul(w, x, ids, out_shape)
             quants.dequantize = lambda data, qtype: _f16(dequantize(data, qtype))
             try:
-                return gather_matmul(w, _f16(x), ids)
+                return gather_matmul(w, _f16(x), ids, out_shape)
             finally:
                 quants.dequantize = dequantize
 
