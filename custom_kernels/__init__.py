@@ -248,35 +248,12 @@ def render_prelude(backend: str) -> str:
     return define + _read("ds_prelude.h")
 
 
-@lru_cache(maxsize=None)
-def iq2_f16_words() -> tuple[str, str]:
-    """mm's IQ2_XXS tables on CUDA (mm.h): each grid vector's 8 magnitudes as f16, and each 7-bit sign index's 8
-    signs (with the parity bit, docs/quants.md §1.4) as f16 sign bits, 4 u32 words an entry."""
-    grid = iq2xxs_grid_bytes().reshape(256, 8).astype(np.float16).view("<u4")  # [256, 4]
-    idx = np.arange(128, dtype=np.uint32)
-    signs = idx | ((np.array([bin(int(i)).count("1") for i in idx], np.uint32) & 1) << 7)
-    bits = (signs[:, None] >> np.arange(8, dtype=np.uint32)) & 1  # [128, 8]: weight j negative
-    masks = (bits[:, 0::2] << 15) | (bits[:, 1::2] << 31)  # [128, 4]: weights 2i, 2i + 1 of word i
-    rows = lambda a: ", ".join("{" + ", ".join(f"0x{int(w):08x}u" for w in r) + "}" for r in a)  # noqa: E731
-    return rows(grid), rows(masks)
-
-
-def mm_f16_defines(iq2_grid: bool) -> str:
-    """``DS_MM_F16``: mm's CUDA tiles decode in f16, with IQ2_XXS's f16 tables (zeros where none is read)."""
-    grid_h, sign_h = iq2_f16_words() if iq2_grid else ("0u", "0u")
-    return f"#define DS_MM_F16\n#define DS_IQ2_GRID_H_WORDS {grid_h}\n#define DS_IQ2_SIGN_H_WORDS {sign_h}\n"
-
-
 def render_header(kind: str, backend: str, iq2_grid: bool = True) -> str:
     """Quant kernel ``kind``'s ``header``: the prelude, the IQ2 grid (a zero placeholder where no IQ2_XXS
-    weight is read, see ds_quant.h), ds_quant.h, then the kernel's own helpers (``<kind>.h``). ``mm`` on CUDA
-    also gets :func:`mm_f16_defines`."""
+    weight is read, see ds_quant.h), ds_quant.h, then the kernel's own helpers (``<kind>.h``)."""
     words = iq2_grid_words() if iq2_grid else "0u"
     own = HEADER_OF.get(kind, kind)
-    defines = f"#define DS_IQ2_GRID_WORDS {words}\n"
-    if kind == "mm" and backend != "metal":
-        defines += mm_f16_defines(iq2_grid)
-    return f"{render_prelude(backend)}{defines}{_read('ds_quant.h')}{_read(f'{own}.h')}"
+    return f"{render_prelude(backend)}#define DS_IQ2_GRID_WORDS {words}\n{_read('ds_quant.h')}{_read(f'{own}.h')}"
 
 
 def render_source(kind: str, backend: str) -> str:

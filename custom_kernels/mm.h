@@ -77,25 +77,26 @@ DS_FN uint4 ds_load_x8(const ds_xin_t* src, bool ok) {  // 16 bytes, 16-byte ali
 }
 DS_FN void ds_store_x8(ds_mm_t* dst, uint4 v) { *((uint4*)dst) = v; }  // f16 tiles: the bits as they are
 
-// Two f16 products in a word (PTX mul.rn.f16x2: one instruction, rounding to nearest even; sim.h computes the same).
+// Two f16 products, or fused multiply-adds, in a word (PTX mul.rn.f16x2 / fma.rn.f16x2: one instruction each,
+// rounding once to nearest even; sim.h computes the same).
 #if defined(DS_SIM)
 #define ds_h2_mul ds_sim_hmul2
+#define ds_h2_fma ds_sim_hfma2
 #else
 DS_FN uint32_t ds_h2_mul(uint32_t a, uint32_t b) {
   uint32_t r;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+DS_FN uint32_t ds_h2_fma(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
 #endif
 // f in both halves of a word, rounded to f16.
 DS_FN uint32_t ds_h2_splat(float f) { return (uint32_t)__half_as_ushort(__float2half_rn(f)) * 0x10001u; }
 
-// IQ2_XXS in f16 (DS_MM_F16 kernels only): each grid vector's 8 magnitudes as f16 (4 words), and each sign
-// index's 8 signs as the sign bits of 8 f16 values (docs/quants.md §1.4).
-#if defined(DS_MM_F16)
-DS_TABLE uint4 ds_iq2_grid_h[256] = {DS_IQ2_GRID_H_WORDS};
-DS_TABLE uint4 ds_iq2_sign_h[128] = {DS_IQ2_SIGN_H_WORDS};
-#endif
 // The A tile of IQ2_XXS holds 8 times the weights (below); the product is scaled back in mm's epilogue.
 #define DS_MM_A_SCALE(qt) ((qt) == DS_IQ2_XXS ? 0.125f : 1.0f)
 #endif
@@ -223,23 +224,31 @@ DS_FN void ds_deq16(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf, 
   ds_raw16_decode(qt, r, u, hf, out);
 }
 
-#if defined(DS_MM_F16)
+#if !defined(DS_METAL)
+// The sign bits of IQ2_XXS weights 2i and 2i + 1 (bits 2i, 2i + 1 of `sg`) as the sign bits of an f16 pair: one
+// multiply puts bit 0 at bit 15 and bit 1 at bit 31 (sg's higher bits land outside the mask, with no carries).
+DS_FN uint32_t ds_iq2_sign_pair(uint32_t sg, int i) { return ((sg >> (2 * i)) * 0x40008000u) & 0x80008000u; }
+
 // 16 weights (as ds_raw16_decode) as 8 words of f16 pairs for mm's tiles, each rounded once. IQ2_XXS in f16x2
-// products, ~1.5 instructions a weight against ~6 in f32: 8·w = (g·(2ls + 1))·d, the integer product exact in f16
-// (≤ 1333), so the one rounding is the product by d (DS_MM_A_SCALE takes the 8 back). Other types: decoded
-// exactly in f32, then rounded (Q2_K's min term would cancel in f16: dl·q − ml, both rounded, is off by many ulps).
+// arithmetic, ~3 instructions a weight against ~6 in f32: a PRMT makes two grid bytes g into the f16 values
+// 1024 + g, one FMA gives (1024 + g)·s − 1024·s = g·s with s = 2ls + 1 (exact: the fused product is exact and
+// g·s ≤ 1333 fits f16's integers), and the product by d is the one rounding, of 8·w (DS_MM_A_SCALE takes the 8
+// back). Other types: decoded exactly in f32, then rounded (Q2_K's min term would cancel in f16: dl·q − ml, both
+// rounded, is off by many ulps).
 DS_FN void ds_raw16_decode_h(int qt, const ds_raw16& r, uint32_t u, uint32_t hf, uint32_t* out) {
   if (qt == DS_IQ2_XXS) {
     const uint32_t A = r.w[0], B = r.w[1];
-    const uint32_t s = ds_h2_splat(ds_u2f(2u * (B >> 28) + 1u)), d = (r.s0 & 0xffffu) * 0x10001u;
+    const float sf = ds_u2f(2u * (B >> 28) + 1u);
+    const uint32_t s = ds_h2_splat(sf), c = ds_h2_splat(-1024.0f * sf), d = (r.s0 & 0xffffu) * 0x10001u;
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      const uint32_t k = 2 * hf + kk;
-      const uint4 g = ds_iq2_grid_h[(A >> (8 * k)) & 255u], m = ds_iq2_sign_h[(B >> (7 * k)) & 127u];
-      out[4 * kk + 0] = ds_h2_mul(ds_h2_mul(g.x, s), d) ^ m.x;
-      out[4 * kk + 1] = ds_h2_mul(ds_h2_mul(g.y, s), d) ^ m.y;
-      out[4 * kk + 2] = ds_h2_mul(ds_h2_mul(g.z, s), d) ^ m.z;
-      out[4 * kk + 3] = ds_h2_mul(ds_h2_mul(g.w, s), d) ^ m.w;
+      const uint32_t k = 2 * hf + kk, gi = (A >> (8 * k)) & 255u, sg = ds_iq2_signs((B >> (7 * k)) & 127u);
+      const uint32_t g[2] = {ds_iq2_grid[2 * gi], ds_iq2_grid[2 * gi + 1]};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t h = __byte_perm(g[i >> 1], 0x64646464u, (i & 1) ? 0x4342u : 0x4140u);  // 0x64gg: 1024 + g
+        out[4 * kk + i] = ds_h2_mul(ds_h2_fma(h, s, c), d) ^ ds_iq2_sign_pair(sg, i);
+      }
     }
   } else {
     float v[16];

@@ -56,6 +56,11 @@ inline uint32_t ds_sim_h2(double lo, double hi) {
 inline uint32_t ds_sim_hmul2(uint32_t a, uint32_t b) {
   return ds_sim_h2(ds_sim_h(a, 0) * ds_sim_h(b, 0), ds_sim_h(a, 1) * ds_sim_h(b, 1));
 }
+// fma.rn.f16x2: the product exact in double, the sum rounded there and then to f16 (one rounding wherever the sum
+// fits double's 53 bits, as it does for mm's IQ2_XXS decoding: integers below 2^17).
+inline uint32_t ds_sim_hfma2(uint32_t a, uint32_t b, uint32_t c) {
+  return ds_sim_h2(ds_sim_h(a, 0) * ds_sim_h(b, 0) + ds_sim_h(c, 0), ds_sim_h(a, 1) * ds_sim_h(b, 1) + ds_sim_h(c, 1));
+}
 
 inline uint16_t ds_sim_bf16_bits(float f) {  // round to nearest even; NaN stays a (quiet) NaN
   const uint32_t u = ds_sim_bits<uint32_t>(f);

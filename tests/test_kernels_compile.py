@@ -104,16 +104,12 @@ def test_instantiation_matrix_covers_every_type_and_kind():
 
 
 def test_rendered_sources_share_one_body():
-    """Metal and CUDA sources differ only in the prologue and the backend define (and mm's f16 decoding, which
-    only its CUDA tiles use)."""
+    """Metal and CUDA sources differ only in the prologue and the backend define."""
     for kind in kernels.INPUTS:
         m, c = kernels.render_source(kind, "metal"), kernels.render_source(kind, "cuda")
         assert m[len(kernels.minify(kernels.METAL_PROLOGUE)):] == c[len(kernels.minify(kernels.CUDA_PROLOGUE)):]
         for grid in (True, False):
             hm, hc = kernels.render_header(kind, "metal", grid), kernels.render_header(kind, "cuda", grid)
-            if kind == "mm":
-                assert kernels.mm_f16_defines(grid) in hc
-                hc = hc.replace(kernels.mm_f16_defines(grid), "", 1)
             assert hm.replace("DS_METAL", "DS_CUDA", 1) == hc
     assert kernels.iq2_grid_words().count("0x") == 512
 
