@@ -5,9 +5,9 @@
 The tiny random model (``ds4_mlx.testing.make_tiny_gguf``) is run on the CPU device in f32 (the exact
 reference, which equals transformers in the tests). Then, on any machine, the same pass with the operands of
 the routed experts' products of more than ``MV_MAX_TOKENS`` tokens rounded to f16: what the prefill kernel's
-tiles do (``mm.body``, docs/quants.md §8 ruling 2). With a GPU, also the GPU's own prefill, with the kernels and with MLX alone
-(``DS4_MLX_KERNELS=fallback``, whose f32 products may use TF32), and one-token decode steps. Reported per run:
-max |logit difference| over all positions, relative to the largest exact logit.
+tiles do (``mm.body``, docs/quants.md §8 ruling 2). With a GPU, also the GPU's own prefill, with the kernels and
+with MLX alone (``DS4_MLX_KERNELS=fallback``, whose f32 products may use TF32), and one-token decode steps.
+Reported per run: max |logit difference| over all positions, relative to the largest exact logit.
 """
 
 from __future__ import annotations
