@@ -224,7 +224,20 @@ DS_FN void ds_deq16(int qt, const DS_DEV uint8_t* row, uint32_t u, uint32_t hf, 
   ds_raw16_decode(qt, r, u, hf, out);
 }
 
-#if !defined(DS_METAL)
+#if defined(DS_METAL)
+// mm's A tile: 16 weights (half `hf` of unit u, as ds_raw16_decode) rounded to f16 into `dst`, or zeros (!ok).
+DS_FN void ds_mm_decode_a(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_t hf, bool ok, DS_TG ds_mm_t* dst) {
+  float v[16];
+  if (ok) {
+    ds_raw16_decode(qt, r, u, hf, v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 16; ++e) v[e] = 0.0f;
+  }
+#pragma unroll
+  for (int e = 0; e < 16; e += 4) ds_mm_store4(dst + e, v[e], v[e + 1], v[e + 2], v[e + 3]);
+}
+#else
 // The sign bits of IQ2_XXS weights 2i and 2i + 1 (bits 2i, 2i + 1 of `sg`) as the sign bits of an f16 pair: one
 // multiply puts bit 0 at bit 15 and bit 1 at bit 31 (sg's higher bits land outside the mask, with no carries).
 DS_FN uint32_t ds_iq2_sign_pair(uint32_t sg, int i) { return ((sg >> (2 * i)) * 0x40008000u) & 0x80008000u; }
@@ -256,5 +269,18 @@ DS_FN void ds_raw16_decode_h(int qt, const ds_raw16& r, uint32_t u, uint32_t hf,
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = ds_half2_bits(v[2 * i], v[2 * i + 1]);
   }
+}
+
+// mm's A tile: 16 weights (as ds_raw16_decode_h) into `dst` as two 16-byte stores, or zeros (!ok).
+DS_FN void ds_mm_decode_a(int qt, const ds_raw16& r, uint32_t u, uint32_t hf, bool ok, ds_mm_t* dst) {
+  uint32_t h[8];
+  if (ok) {
+    ds_raw16_decode_h(qt, r, u, hf, h);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) h[e] = 0u;
+  }
+  ((uint4*)dst)[0] = make_uint4(h[0], h[1], h[2], h[3]);
+  ((uint4*)dst)[1] = make_uint4(h[4], h[5], h[6], h[7]);
 }
 #endif
