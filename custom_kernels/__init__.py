@@ -21,8 +21,8 @@ Kernels:
 - ``mm``: the routed experts' prefill product (``mul_mm_id`` over a pair list sorted by expert): 128 weight rows
   by 32 or 64 tokens a threadgroup, f16 tiles, f32 accumulation (docs/quants.md §8 ruling 2); an epilogue for the
   experts' SwiGLU of gate and up in one launch.
-- ``deq``: weight rows decoded to exact f32, for the dense prefill products, which then run on MLX's own matmul
-  (cuBLAS on CUDA, TF32 tensor cores with f32 accumulation).
+- ``deq``: weight rows decoded to exact f32, or rounded once to f16 for the dense prefill products, which then
+  run on MLX's own matmul (cuBLAS on CUDA: f16 tensor cores with f32 accumulation).
 - ``index_mm``: the indexer's scores of a prefill chunk, one tiled product with the ReLU and the head-weighted sum
   as its epilogue (the [T, H, N] head scores never reach memory).
 - ``attn_chunk``: a prefill chunk's attention, every query over its window and its compressed or selected rows,
@@ -84,7 +84,9 @@ MM_BN_CHOICES = (32, 64)
 MM_BN_WIDE_MIN = 24
 #: The experts' prefill kernel's epilogues: the plain product, and the SwiGLU of gate and up (``w2``).
 MM_PLAIN, MM_SWIGLU = 0, 1
-#: Largest f32 slab (elements) a dense prefill product dequantizes at once: 2**26 floats = 256 MiB.
+#: f16's largest finite value: what the f16 operands of the prefill products are held within.
+F16_MAX = 65504.0
+#: Largest slab (elements) a dense prefill product decodes at once: 2**26 f16 values = 128 MiB.
 DEQ_MAX_ELEMS = 1 << 26
 #: Up to this many tokens, dense and gathered products use the matvec kernel.
 MV_MAX_TOKENS = 8
@@ -402,8 +404,8 @@ def mm_template(qtype: QT, bn: int, epi: int = MM_PLAIN) -> tuple:
     return (("QT", int(qtype)), ("BN", bn), ("EPI", epi))
 
 
-def deq_template(qtype: QT) -> tuple:
-    return (("QT", int(qtype)),)
+def deq_template(qtype: QT, f16: bool = False) -> tuple:
+    return (("QT", int(qtype)), ("H", bool(f16)))
 
 
 def attn_chunk_template(head_dim: int, indexed: bool) -> tuple:
@@ -430,7 +432,8 @@ def instantiations() -> list[Instantiation]:
         for bn in MM_BN_CHOICES:
             for epi in (MM_PLAIN, MM_SWIGLU):
                 out.append(Instantiation("mm", mm_template(qt, bn, epi)))
-        out.append(Instantiation("deq", deq_template(qt)))
+        for f16 in (False, True):
+            out.append(Instantiation("deq", deq_template(qt, f16)))
     for h in INDEX_MM_HEADS:
         out.append(Instantiation("index_mm", (("H", h),)))
     for d in ATTN_CHUNK_DIMS:
@@ -462,7 +465,8 @@ def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
         x_f16 = inst.kind == "mm"  # the experts' prefill product reads x as f16; its SwiGLU writes f16
         params = ", ".join(f"const {'__half' if n == 'x' and x_f16 else _CUDA_DTYPES[n]}* {n}"
                            for n in INPUTS[inst.kind])
-        params += f", {'__half' if x_f16 and t.get('EPI') == MM_SWIGLU else 'float'}* y"
+        y_f16 = (x_f16 and t.get("EPI") == MM_SWIGLU) or (inst.kind == "deq" and t["H"])
+        params += f", {'__half' if y_f16 else 'float'}* y"
         consts = "".join(
             f"constexpr bool {k} = {'true' if v else 'false'};\n" if isinstance(v, bool) else f"constexpr int {k} = {v};\n"
             for k, v in inst.template
@@ -659,9 +663,12 @@ def _mv_plan(
     return "mv", wb, params, template, (groups * 32 * nsg, 1, rows), (32 * nsg, 1, 1), (rows, n_out)
 
 
-def dequantize(qw, backend: str, rows: tuple[int, int] | None = None) -> mx.array:
+def dequantize(qw, backend: str, rows: tuple[int, int] | None = None, f16: bool = False) -> mx.array:
     """The weight's exact values as float32 ``qw.shape`` (the ``deq`` kernel), or only output rows ``rows =
-    (start, stop)`` of a 2-D weight, ``[stop - start, in]``."""
+    (start, stop)`` of a 2-D weight, ``[stop - start, in]``. ``f16``: each value rounded once to float16 (held
+    within ±65504); an F16 weight is then its own data, no launch."""
+    if f16 and qw.qtype == QT.F16:
+        return qw.data if rows is None else qw.data[rows[0] : rows[1]]
     *lead, n_in = qw.shape
     wb = weight_bytes(qw).reshape(-1, weight_bytes(qw).shape[-1])
     shape = tuple(qw.shape)
@@ -671,24 +678,42 @@ def dequantize(qw, backend: str, rows: tuple[int, int] | None = None) -> mx.arra
     threads = n_rows * (n_in // 16)
     return get_kernel("deq", backend, qw.qtype == QT.IQ2_XXS)(
         inputs=[wb, _params(n_in, n_rows, wb.shape[-1])],
-        template=list(deq_template(qw.qtype)),
+        template=list(deq_template(qw.qtype, f16)),
         grid=(-(-threads // 256) * 256, 1, 1),
         threadgroup=(256, 1, 1),
         output_shapes=[shape],
-        output_dtypes=[mx.float32],
+        output_dtypes=[mx.float16 if f16 else mx.float32],
     )[0]
 
 
+#: The dense prefill products scale x by this power of two before rounding it to f16, and their result back:
+#: exact, and it moves the f16 range the products' input and output must fit from 65504 to 2^8 times that (the
+#: values it pushes below f16's normal range, |x| < 2^-6, lose at most 2^-17 in absolute terms).
+F16_PRODUCT_SCALE = 2.0**-8
+
+
+# Each side of the product one fused elementwise launch (compiled once for every shape).
+_scaled_f16 = mx.compile(lambda x: mx.clip(x * F16_PRODUCT_SCALE, -F16_MAX, F16_MAX).astype(mx.float16), shapeless=True)
+_unscaled_f32 = mx.compile(lambda y: y.astype(mx.float32) * (1.0 / F16_PRODUCT_SCALE), shapeless=True)
+
+
+def f16_product(x: mx.array, w16_t: mx.array) -> mx.array:
+    """``x @ w16_t`` for f16 weights ``w16_t`` (already transposed, any batch shape) on f16 tensor cores with f32
+    accumulation -> float32: x is rounded once to f16 (scaled by :data:`F16_PRODUCT_SCALE`, held within f16's
+    range), the product once to f16 (docs/quants.md §8 ruling 2)."""
+    return _unscaled_f32(_scaled_f16(x) @ w16_t)
+
+
 def dense_matmul(qw, x2: mx.array, backend: str) -> mx.array:
-    """``x2 [N, in] @ W.T`` -> float32 ``[N, out]`` for a prefill chunk: the weight decoded to f32 (``deq``), at
-    most DEQ_MAX_ELEMS of it at a time, times x with MLX's matmul (cuBLAS on CUDA: TF32 tensor cores with f32
-    accumulation, finer than the f16 tiles of ``mm``). The f32 slabs are transient: nothing stays resident."""
+    """``x2 [N, in] @ W.T`` -> float32 ``[N, out]`` for a prefill chunk: the weight decoded to f16 (``deq``), at
+    most DEQ_MAX_ELEMS of it at a time, times x with MLX's matmul (:func:`f16_product`; cuBLAS on CUDA). The f16
+    slabs are transient: nothing stays resident."""
     n_out, n_in = qw.shape
     step = max(1, DEQ_MAX_ELEMS // n_in)
     if step >= n_out:
-        return x2 @ dequantize(qw, backend).T
-    return mx.concatenate([x2 @ dequantize(qw, backend, (r, min(r + step, n_out))).T for r in range(0, n_out, step)],
-                          axis=1)  # fmt: skip
+        return f16_product(x2, dequantize(qw, backend, f16=True).T)
+    return mx.concatenate([f16_product(x2, dequantize(qw, backend, (r, min(r + step, n_out)), f16=True).T)
+                           for r in range(0, n_out, step)], axis=1)  # fmt: skip
 
 
 def route_tiles(flat: mx.array, n_expert: int, bn: int) -> tuple[mx.array, mx.array]:
@@ -821,8 +846,6 @@ def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Ro
         init_value=init,  # tests pass NaN to catch unwritten outputs
     )[0]  # fmt: skip
 
-
-F16_MAX = 65504.0
 
 
 def _f16(x: mx.array) -> mx.array:

@@ -47,6 +47,12 @@ struct float4 {
   float4(float2 a, float2 b) : x(a.x), y(a.y), z(b.x), w(b.y) {}
 };
 
+struct half4 {
+  half x, y, z, w;
+  half4() = default;
+  explicit half4(float4 f) : x((half)f.x), y((half)f.y), z((half)f.z), w((half)f.w) {}
+};
+
 template <typename T, typename U>
 T as_type(U u) { static_assert(sizeof(T) == sizeof(U), "as_type size"); T t; std::memcpy(&t, &u, sizeof(T)); return t; }
 

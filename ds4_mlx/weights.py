@@ -208,19 +208,18 @@ class QuantWeight:
     def batched_matmul(self, x: mx.array) -> mx.array:
         """``x [G, T, in]`` times each matrix of a 3-D ``(G, out, in)`` weight: ``[G, T, out]``, ``y[g] = x[g] @ W[g].T``.
 
-        The weight decoded to f32 (by a kernel on the GPU backends), then MLX's batched matmul: for prefill chunks,
-        where a grouped product has many tokens per matrix (the attention's grouped output projection)."""
+        MLX's batched matmul: for prefill chunks, where a grouped product has many tokens per matrix (the
+        attention's grouped output projection). On the GPU backends the weight is decoded to f16 by a kernel and the
+        product runs as the dense prefill products do (``f16_product``); elsewhere in f32."""
         if len(self.shape) != 3 or x.ndim != 3 or x.shape[0] != self.shape[0] or x.shape[2] != self.in_features:
             raise ValueError(f"batched_matmul: x {x.shape} does not fit {self!r}")
         backend = kernel_backend()
         if backend != "fallback" and _kernels().supports(self):
-            w = _kernels().dequantize(self, backend)
-        elif host.wanted(x.shape[1]):
+            return _kernels().f16_product(x, _kernels().dequantize(self, backend, f16=True).swapaxes(1, 2))
+        if host.wanted(x.shape[1]):
             xn = host.to_numpy(x)[0]
             return mx.array(np.stack([xn[g] @ self.host_f32(g, g + 1)[0].T for g in range(x.shape[0])]))
-        else:
-            w = self._values()
-        return x.astype(mx.float32) @ w.swapaxes(1, 2)
+        return x.astype(mx.float32) @ self._values().swapaxes(1, 2)
 
     # --- pure-MLX fallback, numpy for chunks on the CPU (ds4_mlx.host) ------------------------------------
 

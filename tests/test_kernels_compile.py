@@ -91,7 +91,7 @@ def test_instantiation_matrix_covers_every_type_and_kind():
         for bn in kernels.MM_BN_CHOICES:
             for epi in (kernels.MM_PLAIN, kernels.MM_SWIGLU):
                 assert f"mm_QT{int(qt)}_BN{bn}_EPI{epi}" in tags
-        assert f"deq_QT{int(qt)}" in tags
+        assert {f"deq_QT{int(qt)}_H0", f"deq_QT{int(qt)}_H1"} <= tags
     for qt, n_out, rows, epi, n_in in _MODEL_LAUNCHES:
         nr, nsg, ks = kernels.mv_config(qt, n_out, rows, epi, n_in)
         assert any(f"_NR{nr}_NSG{nsg}_" in t and f"_KS{ks}_EPI{epi}_" in t and t.startswith(f"mv_QT{int(qt)}_")

@@ -94,7 +94,7 @@ def test_attention_chunk_with_fused_index_scores(model, monkeypatch):
     want = _on("fallback", run)
     got = _on(BACKEND, run)
     assert used and used[-1][0] == len(x) - T0  # the second chunk (the first selects from its 16th query on)
-    assert _rel(got, want) < 2e-3  # q and the probabilities in f16
+    assert _rel(got, want) < 1e-2  # the projections' operands and products, q and the probabilities in f16
 
 
 @pytest.mark.slow
