@@ -449,7 +449,7 @@ def instantiations() -> list[Instantiation]:
 
 
 _CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_t", "params": "int32_t",
-                "w2": "uint8_t", "aux": "float", "ws": "uint8_t", "iq": "float", "hw": "float", "keys": "float",
+                "w2": "uint8_t", "aux": "float", "ws": "uint8_t", "iq": "__nv_bfloat16", "hw": "float", "keys": "__nv_bfloat16",
                 "q": "float", "raw": "__half", "comp": "__half", "idx": "int32_t", "sinks": "float"}
 
 
@@ -742,16 +742,18 @@ def route_tiles(flat: mx.array, n_expert: int, bn: int) -> tuple[mx.array, mx.ar
 
 def index_scores_chunk(iq: mx.array, hw: mx.array, keys: mx.array, backend: str) -> mx.array:
     """The indexer's scores of a prefill chunk: ``y [T, N] = Σ_h hw[t, h] · relu(keys[c] · iq[t, h])`` for ``iq
-    [T, H, 128]``, ``hw [T, H]`` (head weights times the scale), ``keys [N, 128]``, all float32, in one launch
-    (``index_mm``). Its tiles are bf16: exact for bf16-exact inputs (FP4-simulated queries and rows)."""
+    [T, H, 128]``, ``hw [T, H]`` (head weights times the scale), ``keys [N, 128]`` -> float32, in one launch
+    (``index_mm``). It reads iq and keys as bf16 and multiplies bf16 tiles: exact for bf16-exact inputs
+    (FP4-simulated queries and rows)."""
     T, H, D = iq.shape
     N = keys.shape[0]
     if D != 128 or 128 % H or hw.shape != (T, H) or keys.shape != (N, D):
         raise ValueError(f"index_scores_chunk: iq {iq.shape}, hw {hw.shape}, keys {keys.shape} do not fit "
                          f"[T, H | 128, 128], [T, H], [N, 128]")  # fmt: skip
-    f32 = [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (iq, hw, keys)]
+    iq, keys = (a if a.dtype == mx.bfloat16 else a.astype(mx.bfloat16) for a in (iq, keys))
+    hw = hw if hw.dtype == mx.float32 else hw.astype(mx.float32)
     return get_kernel("index_mm", backend, False)(
-        inputs=[*f32, _params(T, N)],
+        inputs=[iq, hw, keys, _params(T, N)],
         template=[("H", H)],
         grid=(-(-N // 64) * 256, -(-T // (128 // H)), 1),
         threadgroup=(256, 1, 1),

@@ -2,10 +2,13 @@
 // their `header`.
 
 // attn_chunk's tiles: f16 on CUDA (wmma), f32 on Metal (simdgroup_float8x8). Its keys come as f16 rows.
+// ds_bf16_t: index_mm's inputs.
 #if defined(DS_METAL)
 typedef float ds_att_t;
+typedef bfloat16_t ds_bf16_t;
 #else
 typedef __half ds_att_t;
+typedef __nv_bfloat16 ds_bf16_t;
 #endif
 template <typename T> DS_FN const DS_DEV T* ds_row_ptr(const DS_DEV T* base, uint32_t row, uint32_t width) {
   return base + (uint64_t)row * width;

@@ -357,6 +357,23 @@ def test_attention_chunk(D, H, T, keep, W, pos, ratio, k, listed):
 
 
 @needs_gpu
+@pytest.mark.parametrize("H,T,N", [(64, 5, 70), (16, 9, 130)])  # partial query and key tiles
+def test_index_scores_chunk(H, T, N):
+    """index_mm: Σ_h hw·relu(keys·iq) over bf16-exact inputs equals the float64 sums up to summation order; the
+    inputs may come as f32 (converted, exactly) or bf16."""
+    rng = np.random.default_rng(H + T + N)
+    bf16_exact = lambda a: np.array(mx.array(a.astype(np.float32)).astype(mx.bfloat16).astype(mx.float32))
+    iq = bf16_exact(rng.standard_normal((T, H, 128)))
+    keys = bf16_exact(rng.standard_normal((N, 128)))
+    hw = rng.standard_normal((T, H)).astype(np.float32)
+    want = np.einsum("th,thc->tc", hw.astype(np.float64), np.maximum(np.einsum("thd,cd->thc", iq, keys), 0))
+    for dtype in (mx.float32, mx.bfloat16):
+        got = np.array(kernels.index_scores_chunk(mx.array(iq).astype(dtype), mx.array(hw), mx.array(keys).astype(dtype),
+                                                  BACKEND))  # fmt: skip
+        assert got.shape == (T, N) and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_gpu
 def test_mm_holds_f16_range():
     """mm reads x and writes the SwiGLU's output as f16: values past ±65504 are held at it, never infinities."""
     rng = np.random.default_rng(8)

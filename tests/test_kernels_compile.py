@@ -31,12 +31,14 @@ def arrays(kind):
     common = dict(w=mx.zeros((64,), dtype=mx.uint8), x=x, ids=mx.zeros((8,), dtype=mx.int32),
                   tiles=mx.zeros((8,), dtype=mx.int32), params=mx.zeros((8,), dtype=mx.int32),
                   w2=mx.zeros((64,), dtype=mx.uint8), aux=mx.zeros((8,)), ws=mx.zeros((64,), dtype=mx.uint8),
-                  iq=mx.zeros((64,)), hw=mx.zeros((8,)), keys=mx.zeros((64,)), q=mx.zeros((64,)),
+                  iq=mx.zeros((64,), dtype=mx.bfloat16), hw=mx.zeros((8,)), keys=mx.zeros((64,), dtype=mx.bfloat16),
+                  q=mx.zeros((64,)),
                   raw=mx.zeros((64,), dtype=mx.float16), comp=mx.zeros((64,), dtype=mx.float16),
                   idx=mx.zeros((8,), dtype=mx.int32), sinks=mx.zeros((8,)))
     return [common[n] for n in k.INPUTS[kind]]
-def out_dtype(inst):  # mm's SwiGLU writes f16
-    return mx.float16 if inst.kind == "mm" and dict(inst.template)["EPI"] == k.MM_SWIGLU else mx.float32
+def out_dtype(inst):  # mm's SwiGLU and deq's H write f16
+    t = dict(inst.template)
+    return mx.float16 if (inst.kind == "mm" and t["EPI"] == k.MM_SWIGLU) or (inst.kind == "deq" and t["H"]) else mx.float32
 d = tempfile.mkdtemp()
 for i, inst in enumerate(k.instantiations()):
     kern = k.get_kernel(inst.kind, "metal", inst.iq2_grid)
