@@ -449,8 +449,9 @@ def instantiations() -> list[Instantiation]:
 
 
 _CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_t", "params": "int32_t",
-                "w2": "uint8_t", "aux": "float", "ws": "uint8_t", "iq": "__nv_bfloat16", "hw": "float", "keys": "__nv_bfloat16",
-                "q": "float", "raw": "__half", "comp": "__half", "idx": "int32_t", "sinks": "float"}
+                "w2": "uint8_t", "aux": "float", "ws": "uint8_t", "iq": "__nv_bfloat16", "hw": "float",
+                "keys": "__nv_bfloat16", "q": "float", "raw": "__half", "comp": "__half", "idx": "int32_t",
+                "sinks": "float"}
 
 
 def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
@@ -693,7 +694,8 @@ F16_PRODUCT_SCALE = 2.0**-8
 
 
 # Each side of the product one fused elementwise launch (compiled once for every shape).
-_scaled_f16 = mx.compile(lambda x: mx.clip(x * F16_PRODUCT_SCALE, -F16_MAX, F16_MAX).astype(mx.float16), shapeless=True)
+_scaled_f16 = mx.compile(lambda x: mx.clip(x * F16_PRODUCT_SCALE, -F16_MAX, F16_MAX).astype(mx.float16),
+                         shapeless=True)  # fmt: skip
 _unscaled_f32 = mx.compile(lambda y: y.astype(mx.float32) * (1.0 / F16_PRODUCT_SCALE), shapeless=True)
 
 
@@ -847,7 +849,6 @@ def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Ro
         output_dtypes=[mx.float16 if epi == MM_SWIGLU else mx.float32],
         init_value=init,  # tests pass NaN to catch unwritten outputs
     )[0]  # fmt: skip
-
 
 
 def _f16(x: mx.array) -> mx.array:

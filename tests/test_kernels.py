@@ -368,8 +368,8 @@ def test_index_scores_chunk(H, T, N):
     hw = rng.standard_normal((T, H)).astype(np.float32)
     want = np.einsum("th,thc->tc", hw.astype(np.float64), np.maximum(np.einsum("thd,cd->thc", iq, keys), 0))
     for dtype in (mx.float32, mx.bfloat16):
-        got = np.array(kernels.index_scores_chunk(mx.array(iq).astype(dtype), mx.array(hw), mx.array(keys).astype(dtype),
-                                                  BACKEND))  # fmt: skip
+        got = np.array(kernels.index_scores_chunk(mx.array(iq).astype(dtype), mx.array(hw),
+                                                  mx.array(keys).astype(dtype), BACKEND))  # fmt: skip
         assert got.shape == (T, N) and np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 

@@ -38,7 +38,8 @@ def arrays(kind):
     return [common[n] for n in k.INPUTS[kind]]
 def out_dtype(inst):  # mm's SwiGLU and deq's H write f16
     t = dict(inst.template)
-    return mx.float16 if (inst.kind == "mm" and t["EPI"] == k.MM_SWIGLU) or (inst.kind == "deq" and t["H"]) else mx.float32
+    f16 = (inst.kind == "mm" and t["EPI"] == k.MM_SWIGLU) or (inst.kind == "deq" and t["H"])
+    return mx.float16 if f16 else mx.float32
 d = tempfile.mkdtemp()
 for i, inst in enumerate(k.instantiations()):
     kern = k.get_kernel(inst.kind, "metal", inst.iq2_grid)
