@@ -694,8 +694,7 @@ F16_PRODUCT_SCALE = 2.0**-8
 
 
 # Each side of the product one fused elementwise launch (compiled once for every shape).
-_scaled_f16 = mx.compile(lambda x: mx.clip(x * F16_PRODUCT_SCALE, -F16_MAX, F16_MAX).astype(mx.float16),
-                         shapeless=True)  # fmt: skip
+_scaled_f16 = mx.compile(lambda x: _f16(x * F16_PRODUCT_SCALE), shapeless=True)
 _unscaled_f32 = mx.compile(lambda y: y.astype(mx.float32) * (1.0 / F16_PRODUCT_SCALE), shapeless=True)
 
 
