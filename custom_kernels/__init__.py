@@ -244,6 +244,45 @@ def _read(name: str) -> str:
     return minify((SOURCE_DIR / name).read_text())
 
 
+_BACKEND_IFS = {"#if defined(DS_METAL)": True, "#if !defined(DS_METAL)": False}
+
+
+def keep_backend(text: str, backend: str) -> str:
+    """``text`` without the branches of its ``#if defined(DS_METAL)`` and ``#if !defined(DS_METAL)`` blocks that
+    ``backend`` does not compile, so a launch carries only its own backend's code (each byte of source costs
+    host time, :func:`minify`). Other conditionals are left to the compiler."""
+    metal = backend == "metal"
+    out: list[str] = []
+    stack: list[bool | None] = []  # per open conditional: whether its current branch is kept; None: not ours
+    for line in text.split("\n"):
+        d = line.strip()
+        if d in _BACKEND_IFS:
+            stack.append(_BACKEND_IFS[d] == metal)
+            continue
+        if d.startswith("#if"):
+            stack.append(None)
+        elif stack and stack[-1] is not None and d == "#else":
+            stack[-1] = not stack[-1]
+            continue
+        elif stack and stack[-1] is not None and d.startswith("#elif"):
+            raise ValueError(f"keep_backend: #elif in a backend conditional: {line!r}")
+        elif d == "#endif":
+            if not stack:
+                raise ValueError("keep_backend: #endif without #if")
+            if stack.pop() is not None:
+                continue
+        if False not in stack:
+            out.append(line)
+    if stack:
+        raise ValueError("keep_backend: #if without #endif")
+    return "\n".join(out)
+
+
+@lru_cache(maxsize=None)
+def _read_for(name: str, backend: str) -> str:
+    return keep_backend(_read(name), backend)
+
+
 def render_prelude(backend: str) -> str:
     """Backend define plus the macro layer (ds_prelude.h): all that the fused kernels build on."""
     define = {"metal": "#define DS_METAL\n", "cuda": "#define DS_CUDA\n", "sim": "#define DS_CUDA\n#define DS_SIM\n"}[backend]
@@ -255,13 +294,14 @@ def render_header(kind: str, backend: str, iq2_grid: bool = True) -> str:
     weight is read, see ds_quant.h), ds_quant.h, then the kernel's own helpers (``<kind>.h``)."""
     words = iq2_grid_words() if iq2_grid else "0u"
     own = HEADER_OF.get(kind, kind)
-    return f"{render_prelude(backend)}#define DS_IQ2_GRID_WORDS {words}\n{_read('ds_quant.h')}{_read(f'{own}.h')}"
+    quant, helpers = _read_for("ds_quant.h", backend), _read_for(f"{own}.h", backend)
+    return f"{render_prelude(backend)}#define DS_IQ2_GRID_WORDS {words}\n{quant}{helpers}"
 
 
 def render_source(kind: str, backend: str) -> str:
     """The kernel ``source``: backend prologue (names the thread attributes) plus the shared body."""
     prologue = METAL_PROLOGUE if backend == "metal" else CUDA_PROLOGUE  # "sim" runs the CUDA text
-    return minify(prologue) + _read(f"{kind}.body")
+    return minify(prologue) + _read_for(f"{kind}.body", backend)
 
 
 def kernel_cache_dir() -> Path:

@@ -50,7 +50,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import (
-    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, build, mv,
+    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, _read_for, build, mv,
     reg_direct, render_prelude, render_source, supports,
 )
 
@@ -179,7 +179,8 @@ def render_fused_header(backend: str, kind: str | None = None) -> str:
     header, if any; no block decoding."""
     spec = SPECS[kind] if kind else KernelSpec((), (), ())
     define = f"#define {spec.define} 1\n" if spec.define else ""
-    return render_prelude(backend) + _read("fused.h") + (_read(spec.header) if spec.header else "") + define
+    extra = _read_for(spec.header, backend) if spec.header else ""
+    return render_prelude(backend) + _read_for("fused.h", backend) + extra + define
 
 
 def render_body(kind: str, backend: str) -> str:

@@ -136,7 +136,10 @@ def test_rendered_sources_share_one_body():
     for kind in f.SPECS:
         m, c = f.render_body(kind, "metal"), f.render_body(kind, "cuda")
         assert m[len(kernels.minify(kernels.METAL_PROLOGUE)):] == c[len(kernels.minify(kernels.CUDA_PROLOGUE)):]
-    assert f.render_fused_header("metal").replace("DS_METAL", "DS_CUDA", 1) == f.render_fused_header("cuda")
+    for backend in ("metal", "cuda"):  # fused.h, each backend's branches only
+        header = kernels.render_prelude(backend) + kernels.keep_backend(kernels._read("fused.h"), backend)
+        assert f.render_fused_header(backend) == header
+    assert "metal::log(w)" not in f.render_fused_header("cuda") and "log1pf" not in f.render_fused_header("metal")
     assert "#define HC_PRE_XQ 1" in f.render_fused_header("cuda", "hc_pre_xq")
     assert "HC_PRE_XQ 1" not in f.render_fused_header("cuda", "hc_pre")
 

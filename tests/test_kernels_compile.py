@@ -107,14 +107,30 @@ def test_instantiation_matrix_covers_every_type_and_kind():
 
 
 def test_rendered_sources_share_one_body():
-    """Metal and CUDA sources differ only in the prologue and the backend define."""
+    """Metal and CUDA sources are the same files, each without the other backend's branches."""
     for kind in kernels.INPUTS:
-        m, c = kernels.render_source(kind, "metal"), kernels.render_source(kind, "cuda")
-        assert m[len(kernels.minify(kernels.METAL_PROLOGUE)):] == c[len(kernels.minify(kernels.CUDA_PROLOGUE)):]
-        for grid in (True, False):
-            hm, hc = kernels.render_header(kind, "metal", grid), kernels.render_header(kind, "cuda", grid)
-            assert hm.replace("DS_METAL", "DS_CUDA", 1) == hc
+        for backend, prologue in (("metal", kernels.METAL_PROLOGUE), ("cuda", kernels.CUDA_PROLOGUE)):
+            body = kernels.keep_backend(kernels._read(f"{kind}.body"), backend)
+            assert kernels.render_source(kind, backend) == kernels.minify(prologue) + body
+            own = kernels.keep_backend(kernels._read(f"{kernels.HEADER_OF.get(kind, kind)}.h"), backend)
+            for grid in (True, False):
+                assert kernels.render_header(kind, backend, grid).endswith(own)
+        assert "DS_METAL" not in kernels.render_source(kind, "cuda") + kernels.render_source(kind, "metal")
+    assert "simdgroup" not in kernels.render_source("mm", "cuda") and "ds_h2_fma" not in kernels.render_header("mm", "metal")
     assert kernels.iq2_grid_words().count("0x") == 512
+
+
+def test_keep_backend_keeps_the_backends_branches():
+    text = "\n".join(["a", "#if defined(DS_METAL)", "m1", "#if defined(X)", "mx", "#else", "my", "#endif",
+                       "#else", "c1", "#if !defined(DS_METAL)", "c2", "#endif", "#endif", "#if defined(Y)", "y",
+                       "#endif", "z"])  # fmt: skip
+    assert kernels.keep_backend(text, "metal").split() == ["a", "m1", "#if", "defined(X)", "mx", "#else", "my",
+                                                            "#endif", "#if", "defined(Y)", "y", "#endif", "z"]
+    assert kernels.keep_backend(text, "cuda").split() == ["a", "c1", "c2", "#if", "defined(Y)", "y", "#endif", "z"]
+    assert kernels.keep_backend(text, "sim") == kernels.keep_backend(text, "cuda")
+    for bad in ("#if defined(DS_METAL)\na", "#endif", "#if defined(DS_METAL)\n#elif defined(X)\n#endif"):
+        with pytest.raises(ValueError, match="keep_backend"):
+            kernels.keep_backend(bad, "metal")
 
 
 # (type, rows of the weight, rows of output, epilogue, K) of the full-shape model's decode matvecs
