@@ -299,7 +299,8 @@ def render_header(kind: str, backend: str, iq2_grid: bool = True) -> str:
 
 
 def render_source(kind: str, backend: str) -> str:
-    """The kernel ``source``: backend prologue (names the thread attributes) plus the shared body."""
+    """The kernel ``source``: backend prologue (names the thread attributes) plus the shared body, its backend's
+    branches only (:func:`keep_backend`)."""
     prologue = METAL_PROLOGUE if backend == "metal" else CUDA_PROLOGUE  # "sim" runs the CUDA text
     return minify(prologue) + _read_for(f"{kind}.body", backend)
 
