@@ -116,7 +116,8 @@ def test_rendered_sources_share_one_body():
             for grid in (True, False):
                 assert kernels.render_header(kind, backend, grid).endswith(own)
         assert "DS_METAL" not in kernels.render_source(kind, "cuda") + kernels.render_source(kind, "metal")
-    assert "simdgroup" not in kernels.render_source("mm", "cuda") and "ds_h2_fma" not in kernels.render_header("mm", "metal")
+    assert "simdgroup" not in kernels.render_source("mm", "cuda")
+    assert "ds_h2_fma" not in kernels.render_header("mm", "metal")
     assert kernels.iq2_grid_words().count("0x") == 512
 
 
