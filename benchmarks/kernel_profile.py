@@ -1,4 +1,4 @@
-"""GPU time of every kernel of one decode step, under NVIDIA Nsight Compute (CUDA only).
+"""GPU time of every kernel of one decode step or one prefill chunk, under NVIDIA Nsight Compute (CUDA only).
 
     ncu --graph-profiling node --metrics gpu__time_duration.sum --csv \
         python benchmarks/kernel_profile.py [--layers 4] [--ctx 2100] [--steps 1] [--batch B] > ncu.csv
@@ -9,7 +9,9 @@ decodes a few warm-up tokens, then ``--steps`` measured tokens, each between two
 (``ds4_marker``). ``--summarize`` keeps the kernels between the last two markers and sums their GPU time by
 kernel name: what the device itself spends on a decode step, without the host's launch cost. ``--batch B``
 measures instead one step of B sessions decoded together (:func:`~ds4_mlx.session.step_batch`, as
-``serve --batched-session`` runs them), each holding the same ``--ctx`` tokens.
+``serve --batched-session`` runs them), each holding the same ``--ctx`` tokens. ``--prefill T`` measures
+instead the last chunk of a ``--ctx``-token prefill in chunks of T (the device's time per kernel of a chunk, where
+``benchmarks/prefill_profile.py`` times each piece alone with the host's launches in it).
 
 ``--mv`` instead launches the decode matvec once per projection shape (``DECODE_SHAPES`` without the LM head),
 each after a marker; ``--compare-mv NEW.csv OLD.csv`` prints each shape's GPU time in two such logs (two kernel
@@ -48,13 +50,16 @@ def marker() -> None:
               output_dtypes=[mx.float32])[0])
 
 
-def run(layers: int, ctx: int, steps: int = 1, batch: int = 1) -> None:
+def run(layers: int, ctx: int, steps: int = 1, batch: int = 1, prefill: int = 0) -> None:
     from ds4_mlx.model.model import Model
     from ds4_mlx.random_model import random_weights, shape_config
     from ds4_mlx.session import Session, step_batch
 
     cfg = shape_config("full", layers)
     model = Model(cfg, random_weights(cfg, "q2"))
+    if prefill:
+        run_prefill_chunk(model, ctx, prefill)
+        return
     sess = Session(model, chunk_size=ctx)
     sess.prefill([0] + np.random.default_rng(0).integers(2, cfg.n_vocab, ctx - 1).tolist())
     if batch == 1:
@@ -74,6 +79,24 @@ def run(layers: int, ctx: int, steps: int = 1, batch: int = 1) -> None:
     for _ in range(steps):  # each measured step between two markers
         marker()
         tok = step(tok)
+    marker()
+
+
+def run_prefill_chunk(model, ctx: int, chunk: int) -> None:
+    """A ``ctx``-token prompt in chunks of ``chunk``, twice (the first warms the JIT up); the second's last chunk
+    between two markers."""
+    from ds4_mlx.session import Session
+
+    if not 0 < chunk <= ctx:
+        raise SystemExit(f"--prefill {chunk}: a chunk of 1 to --ctx ({ctx}) tokens")
+    prompt = [0] + np.random.default_rng(0).integers(2, model.cfg.n_vocab, ctx - 1).tolist()
+    Session(model, chunk_size=chunk).prefill(prompt)
+    sess = Session(model, chunk_size=chunk, reserve=ctx)
+    if ctx > chunk:
+        sess.prefill(prompt[: ctx - chunk])
+    mx.eval(sess.state_arrays())
+    marker()
+    mx.eval(sess.prefill(prompt[ctx - chunk :]))
     marker()
 
 
@@ -115,7 +138,7 @@ def kernel_times(path: Path) -> list[tuple[str, float]]:
 
 
 def summarize(path: Path) -> None:
-    """Per-kernel GPU time of the last marked step; with several marked steps (``--steps``), first each step's
+    """Per-kernel GPU time of the last marked step (or chunk); with several marked steps (``--steps``), first each step's
     total and its slowest launches, to tell one-off stalls from launches that are slow in every step."""
     times = kernel_times(path)
     marks = [i for i, (n, _) in enumerate(times) if MARKER in n]
@@ -134,7 +157,7 @@ def summarize(path: Path) -> None:
         by[key][0] += 1
         by[key][1] += us
     total = sum(us for _, us in step)
-    print(f"{len(step)} kernels, {total:.0f} us of GPU time in one decode step")
+    print(f"{len(step)} kernels, {total:.0f} us of GPU time between the last two markers")
     print(f"{'kernel':<72}{'count':>6}{'us':>10}{'%':>7}")
     for k, (c, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
         print(f"{k:<72}{c:>6}{us:>10.1f}{100 * us / total:>6.1f}%")
@@ -163,6 +186,8 @@ if __name__ == "__main__":
     ap.add_argument("--ctx", type=int, default=2100)
     ap.add_argument("--steps", type=int, default=1, help="measured decode steps, each between two markers")
     ap.add_argument("--batch", type=int, default=1, help="sessions decoded together in each step")
+    ap.add_argument("--prefill", type=int, default=0, metavar="T",
+                    help="instead: the last T-token chunk of a --ctx-token prefill in chunks of T")
     ap.add_argument("--mv", action="store_true", help="instead: one launch of each decode matvec shape")
     ap.add_argument("--summarize", type=Path, default=None, help="an ncu --csv log of a decode step to summarize")
     ap.add_argument("--compare-mv", type=Path, nargs=2, metavar=("NEW", "OLD"), help="two ncu --csv logs of --mv")
@@ -172,4 +197,4 @@ if __name__ == "__main__":
     elif a.compare_mv:
         compare_mv(*a.compare_mv)
     else:
-        run_mv() if a.mv else run(a.layers, a.ctx, a.steps, a.batch)
+        run_mv() if a.mv else run(a.layers, a.ctx, a.steps, a.batch, a.prefill)
