@@ -864,6 +864,13 @@ def routes_for(flat: mx.array, n_expert: int, backend: str, bn: int | None = Non
     return Routes(_pad_ids(order, backend), tiles.reshape(-1), bn)
 
 
+def mm_launch(backend: str) -> tuple[int, int]:
+    """``mm``'s threads and weight rows a threadgroup: Metal multiplies 128-row tiles from threadgroup memory with 8
+    simdgroups; CUDA decodes into the tensor cores' registers, where 4 warps of 16 rows leave room for more
+    threadgroups a multiprocessor (mm.body)."""
+    return (256, 128) if backend == "metal" else (128, 64)
+
+
 def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Routes | None, epi: int, w2=None,
         aux: mx.array | None = None, clamp: float = 0.0, init=None) -> mx.array:  # fmt: skip
     E, n_out, n_in = qw.shape
@@ -877,14 +884,15 @@ def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Ro
     per_slot = int(x2.shape[0] == P and k_slots > 1)
     clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(aux is not None))
-    ro = 64 if epi == MM_SWIGLU else 128
+    threads, rows = mm_launch(backend)
+    ro = rows // 2 if epi == MM_SWIGLU else rows
     return get_kernel("mm", backend, qw.qtype == QT.IQ2_XXS)(
         inputs=[wb, _f16(x2), routes.order, routes.tiles, params,
                 _dummy(mx.uint8) if w2 is None else weight_bytes(w2),
                 _dummy(mx.float32) if aux is None else _pad8(aux.astype(mx.float32), backend)],
         template=list(mm_template(qw.qtype, routes.bn, epi)),
-        grid=(routes.tiles.size // 4 * 256, -(-n_out // ro), 1),
-        threadgroup=(256, 1, 1),
+        grid=(routes.tiles.size // 4 * threads, -(-n_out // ro), 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(P, n_out)],
         output_dtypes=[mx.float16 if epi == MM_SWIGLU else mx.float32],
         init_value=init,  # tests pass NaN to catch unwritten outputs

@@ -153,44 +153,61 @@ DS_FN ds_raw16 ds_raw16_load(int qt, const DS_DEV uint8_t* row, uint32_t u, uint
   return r;
 }
 
-// Byte i (0..11) of the three words w[4..6] (Q4_K's scale bytes).
-DS_FN uint32_t ds_raw_byte(DS_THR const ds_raw16& r, uint32_t i) { return (r.w[4 + i / 4] >> (8 * (i % 4))) & 255u; }
+// 8 weights of one scale. Q8_0: 4 words of two int8 each (low byte first), times d. Q2_K and Q4_K: 2 words of
+// packed codes at bit shift sh (mask: the code's bits in each byte), each dl·q − ml in one FMA.
+DS_FN void ds_q8_8(DS_THR const uint32_t* w, float d, DS_THR float* out) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t wx = w[i] ^ 0x8080u;
+    out[2 * i] = d * ds_s8x_f(wx, 0);
+    out[2 * i + 1] = d * ds_s8x_f(wx, 1);
+  }
+}
+DS_FN void ds_k_8(DS_THR const uint32_t* w, uint32_t sh, uint32_t mask, float dl, float ml, DS_THR float* out) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t v = (w[i] >> sh) & mask;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[4 * i + j] = DS_FMA(dl, ds_byte_f(v, j), -ml);
+  }
+}
+// Q2_K's (dl, ml) of a 16-weight group: (d, dmin) as the word dm, the group's scale byte sc.
+DS_FN void ds_q2k_dm(uint32_t dm, uint32_t sc, DS_THR float& dl, DS_THR float& ml) {
+  dl = DS_F16_BITS(dm & 0xffffu) * float(sc & 15u);
+  ml = DS_F16_BITS(dm >> 16) * float(sc >> 4);
+}
+// Q4_K's (dl, ml) of sub-block j: (d, dmin) as the word dm, the 12 scale bytes as three words s, the 6-bit scale
+// and min unpacked as ds_q4k_scale_min unpacks them.
+DS_FN void ds_q4k_dm(uint32_t dm, DS_THR const uint32_t* s, uint32_t j, DS_THR float& dl, DS_THR float& ml) {
+#define DS_SB(i) ((s[(i) / 4] >> (8 * ((i) % 4))) & 255u)
+  float sc, m;
+  if (j < 4) {
+    sc = float(DS_SB(j) & 63u);
+    m = float(DS_SB(j + 4) & 63u);
+  } else {
+    sc = float((DS_SB(j + 4) & 15u) | ((DS_SB(j - 4) >> 6) << 4));
+    m = float((DS_SB(j + 4) >> 4) | ((DS_SB(j) >> 6) << 4));
+  }
+#undef DS_SB
+  dl = DS_F16_BITS(dm & 0xffffu) * sc;
+  ml = DS_F16_BITS(dm >> 16) * m;
+}
 
 DS_FN void ds_raw16_decode(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_t hf, DS_THR float* out) {
   if (qt == DS_Q8_0) {
     const float d = DS_F16_BITS(r.s0);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t wx = r.w[i] ^ 0x8080u;
-      out[2 * i] = d * ds_s8x_f(wx, 0);
-      out[2 * i + 1] = d * ds_s8x_f(wx, 1);
-    }
+    ds_q8_8(r.w, d, out);
+    ds_q8_8(r.w + 4, d, out + 8);
   } else if (qt == DS_Q2_K) {
-    const uint32_t sh = 2u * ((u & 7u) & 3u), sc = r.s1;
-    const float dl = DS_F16_BITS(r.s0 & 0xffffu) * float(sc & 15u), ml = DS_F16_BITS(r.s0 >> 16) * float(sc >> 4);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t w = (r.w[i] >> sh) & 0x03030303u;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) out[4 * i + j] = DS_FMA(dl, ds_byte_f(w, j), -ml);
-    }
-  } else if (qt == DS_Q4_K) {  // the 6-bit (scale, min) of sub-block j, as ds_q4k_scale_min takes them
-    const uint32_t j = u & 7u, sh = 4u * (j & 1u);
-    float sc, m;
-    if (j < 4) {
-      sc = float(ds_raw_byte(r, j) & 63u);
-      m = float(ds_raw_byte(r, j + 4) & 63u);
-    } else {
-      sc = float((ds_raw_byte(r, j + 4) & 15u) | ((ds_raw_byte(r, j - 4) >> 6) << 4));
-      m = float((ds_raw_byte(r, j + 4) >> 4) | ((ds_raw_byte(r, j) >> 6) << 4));
-    }
-    const float dl = DS_F16_BITS(r.s0 & 0xffffu) * sc, ml = DS_F16_BITS(r.s0 >> 16) * m;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t w = (r.w[i] >> sh) & 0x0F0F0F0Fu;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) out[4 * i + k] = DS_FMA(dl, ds_byte_f(w, k), -ml);
-    }
+    float dl, ml;
+    ds_q2k_dm(r.s0, r.s1, dl, ml);
+    ds_k_8(r.w, 2u * (u & 3u), 0x03030303u, dl, ml, out);
+    ds_k_8(r.w + 2, 2u * (u & 3u), 0x03030303u, dl, ml, out + 8);
+  } else if (qt == DS_Q4_K) {
+    float dl, ml;
+    ds_q4k_dm(r.s0, r.w + 4, u & 7u, dl, ml);
+    ds_k_8(r.w, 4u * (u & 1u), 0x0F0F0F0Fu, dl, ml, out);
+    ds_k_8(r.w + 2, 4u * (u & 1u), 0x0F0F0F0Fu, dl, ml, out + 8);
   } else if (qt == DS_IQ2_XXS) {
     const uint32_t A = r.w[0], B = r.w[1];
     const float dl = DS_F16_BITS(r.s0) * (0.5f + ds_u2f(B >> 28)) * 0.25f;
@@ -245,45 +262,144 @@ DS_FN void ds_mm_decode_a(int qt, DS_THR const ds_raw16& r, uint32_t u, uint32_t
 // multiply puts bit 0 at bit 15 and bit 1 at bit 31 (sg's higher bits land outside the mask, with no carries).
 DS_FN uint32_t ds_iq2_sign_pair(uint32_t sg, int i) { return ((sg >> (2 * i)) * 0x40008000u) & 0x80008000u; }
 
-// 16 weights (as ds_raw16_decode) as 8 words of f16 pairs for mm's tiles, each rounded once. IQ2_XXS in f16x2
-// arithmetic, ~3 instructions a weight against ~6 in f32: a PRMT makes two grid bytes g into the f16 values
-// 1024 + g, one FMA gives (1024 + g)·s − 1024·s = g·s with s = 2ls + 1 (exact: the fused product is exact and
-// g·s ≤ 1333 fits f16's integers), and the product by d is the one rounding, of 8·w (DS_MM_A_SCALE takes the 8
-// back). Other types: decoded exactly in f32, then rounded (Q2_K's min term would cancel in f16: dl·q − ml, both
-// rounded, is off by many ulps).
-DS_FN void ds_raw16_decode_h(int qt, const ds_raw16& r, uint32_t u, uint32_t hf, uint32_t* out) {
-  if (qt == DS_IQ2_XXS) {
-    const uint32_t A = r.w[0], B = r.w[1];
-    const float sf = ds_u2f(2u * (B >> 28) + 1u);
-    const uint32_t s = ds_h2_splat(sf), c = ds_h2_splat(-1024.0f * sf), d = (r.s0 & 0xffffu) * 0x10001u;
+// mm's CUDA path: the 4 lanes c of a weight row share each 128-weight K step st (units 4st .. 4st + 3), a lane
+// holding 32 of its weights as 4 groups q of 8 consecutive ones (ds_step_load: their words; ds_step_group_h:
+// group q as 4 words of f16 pairs, each rounded once). IQ2_XXS, Q8_0, F16, BF16 and F32 give lane c unit
+// 4st + c (group q: its weights 8q ..); Q2_K and Q4_K, whose units share bytes (2-bit and 4-bit planes), give
+// lane c weights 8c .. 8c + 7 of every unit (group q: unit 4st + q), so a lane reads only the bytes it decodes.
+// ds_step_chunk: where group q lies in the step, in 8-weight chunks.
+DS_FN bool ds_unit_lanes(int qt) { return qt != DS_Q2_K && qt != DS_Q4_K; }
+DS_FN uint32_t ds_step_chunk(int qt, uint32_t c, uint32_t q) { return ds_unit_lanes(qt) ? 4 * c + q : 4 * q + c; }
+// Whether lane c's share of step st lies within the row's n_units units (K-quants: whole 256-weight blocks).
+DS_FN bool ds_step_has(int qt, uint32_t st, uint32_t c, uint32_t n_units) {
+  return (ds_unit_lanes(qt) ? 4 * st + c : 4 * st) < n_units;
+}
+
+struct ds_step_w {
+  uint32_t w[16];
+  uint32_t s0;
+  const uint8_t* p;
+};
+
+DS_FN ds_step_w ds_step_load(int qt, const uint8_t* row, uint32_t st, uint32_t c) {
+  ds_step_w r;
+  r.s0 = 0u;
+  r.p = row;
+  const uint32_t u = 4 * st + c;
+  if (qt == DS_IQ2_XXS) {  // d, the unit's grid indices and its signs/scale word
+    const uint8_t* b = row + 66u * (u >> 3);
+    r.w[0] = ds_ld32_a2(b + 2 + 8 * (u & 7u));
+    r.w[1] = ds_ld32_a2(b + 6 + 8 * (u & 7u));
+    r.s0 = ds_ld16(b);
+  } else if (qt == DS_Q2_K) {  // bytes 8c .. of the step's 2-bit planes, its 8 scale bytes, (d, dmin)
+    const uint8_t* b = row + 84u * (st >> 1);
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const uint32_t k = 2 * hf + kk, gi = (A >> (8 * k)) & 255u, sg = ds_iq2_signs((B >> (7 * k)) & 127u);
-      const uint32_t g[2] = {ds_iq2_grid[2 * gi], ds_iq2_grid[2 * gi + 1]};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t h = __byte_perm(g[i >> 1], 0x64646464u, (i & 1) ? 0x4342u : 0x4140u);  // 0x64gg: 1024 + g
-        out[4 * kk + i] = ds_h2_mul(ds_h2_fma(h, s, c), d) ^ ds_iq2_sign_pair(sg, i);
-      }
+    for (int i = 0; i < 2; ++i) {
+      r.w[i] = ds_ld32(b + 16 + 32 * (st & 1u) + 8 * c + 4 * i);
+      r.w[2 + i] = ds_ld32(b + 8 * (st & 1u) + 4 * i);
     }
-  } else {
-    float v[16];
-    ds_raw16_decode(qt, r, u, hf, v);
+    r.s0 = ds_ld32(b + 80);
+  } else if (qt == DS_Q4_K) {  // bytes 8c .. of the step's two nibble planes, the 12 scale bytes, (d, dmin)
+    const uint8_t* b = row + 144u * (st >> 1);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = ds_half2_bits(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) r.w[i] = ds_ld32(b + 16 + 64 * (st & 1u) + 32 * (i >> 1) + 8 * c + 4 * (i & 1));
+#pragma unroll
+    for (int i = 0; i < 3; ++i) r.w[4 + i] = ds_ld32(b + 4 + 4 * i);
+    r.s0 = ds_ld32(b);
+  } else if (qt == DS_Q8_0) {  // d, then 32 int8 as 16 halfwords
+    const uint8_t* b = row + 34u * u;
+    r.s0 = ds_ld16(b);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r.w[i] = ds_ld16(b + 2 + 2 * i);
+  } else if (qt == DS_F16 || qt == DS_BF16) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r.w[i] = ds_ld32(row + 64u * u + 4 * i);
+  } else {
+    r.p = row + 128u * u;
+  }
+  return r;
+}
+
+// IQ2_XXS in f16x2 arithmetic, ~3 instructions a weight against ~6 in f32: a PRMT makes two grid bytes g into
+// the f16 values 1024 + g, one FMA gives (1024 + g)·s − 1024·s = g·s with s = 2ls + 1 (exact: the fused product
+// is exact and g·s ≤ 1333 fits f16's integers), and the product by d is the one rounding, of 8·w (DS_MM_A_SCALE
+// takes the 8 back). F16 as stored. Other types: decoded exactly in f32, then rounded (Q2_K's min term would
+// cancel in f16: dl·q − ml, both rounded, is off by many ulps).
+// Once a step's words have arrived, before its groups: IQ2_XXS's three f16 pairs of the unit (s, −1024·s, d).
+DS_FN void ds_step_prep(int qt, ds_step_w& r) {
+  if (qt == DS_IQ2_XXS) {
+    const float sf = ds_u2f(2u * (r.w[1] >> 28) + 1u);
+    r.w[2] = ds_h2_splat(sf);
+    r.w[3] = ds_h2_splat(-1024.0f * sf);
+    r.s0 = (r.s0 & 0xffffu) * 0x10001u;
   }
 }
 
-// mm's A tile: 16 weights (as ds_raw16_decode_h) into `dst` as two 16-byte stores, or zeros (!ok).
-DS_FN void ds_mm_decode_a(int qt, const ds_raw16& r, uint32_t u, uint32_t hf, bool ok, ds_mm_t* dst) {
-  uint32_t h[8];
-  if (ok) {
-    ds_raw16_decode_h(qt, r, u, hf, h);
+DS_FN void ds_step_group_h(int qt, const ds_step_w& r, uint32_t st, uint32_t c, uint32_t q, uint32_t* out) {
+  if (qt == DS_IQ2_XXS) {  // after ds_step_prep
+    const uint32_t A = r.w[0], B = r.w[1], s = r.w[2], k = r.w[3], d = r.s0;
+    const uint32_t gi = (A >> (8 * q)) & 255u, sg = ds_iq2_signs((B >> (7 * q)) & 127u);
+    const uint32_t g[2] = {ds_iq2_grid[2 * gi], ds_iq2_grid[2 * gi + 1]};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t h = __byte_perm(g[i >> 1], 0x64646464u, (i & 1) ? 0x4342u : 0x4140u);  // 0x64gg: 1024 + g
+      out[i] = ds_h2_mul(ds_h2_fma(h, s, k), d) ^ ds_iq2_sign_pair(sg, i);
+    }
+    return;
+  }
+  if (qt == DS_F16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = r.w[4 * q + i];
+    return;
+  }
+  float v[8], dl, ml;
+  if (qt == DS_Q8_0) {
+    ds_q8_8(r.w + 4 * q, DS_F16_BITS(r.s0), v);
+  } else if (qt == DS_Q2_K) {  // unit 4(st % 2) + q of the block, its half c / 2: scale byte 2q + c / 2
+    ds_q2k_dm(r.s0, (r.w[2 + (q >> 1)] >> (16 * (q & 1u) + 8 * (c >> 1))) & 255u, dl, ml);
+    ds_k_8(r.w, 2 * q, 0x03030303u, dl, ml, v);
+  } else if (qt == DS_Q4_K) {  // unit 4(st % 2) + q of the block: plane q / 2, nibble q % 2
+    ds_q4k_dm(r.s0, r.w + 4, 4 * (st & 1u) + q, dl, ml);
+    ds_k_8(r.w + 2 * (q >> 1), 4 * (q & 1u), 0x0F0F0F0Fu, dl, ml, v);
+  } else if (qt == DS_BF16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = DS_U32_AS_F(r.w[4 * q + i] << 16);
+      v[2 * i + 1] = DS_U32_AS_F(r.w[4 * q + i] & 0xffff0000u);
+    }
   } else {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) h[e] = 0u;
+    for (int i = 0; i < 8; ++i) v[i] = ((const float*)r.p)[8 * q + i];
   }
-  ((uint4*)dst)[0] = make_uint4(h[0], h[1], h[2], h[3]);
-  ((uint4*)dst)[1] = make_uint4(h[4], h[5], h[6], h[7]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = ds_half2_bits(v[2 * i], v[2 * i + 1]);
 }
+
+// 16 bytes from device to threadgroup memory, or zeros (!ok), by cp.async (through L2 only): in flight until
+// ds_cp_wait.
+#if defined(DS_SIM)
+DS_FN void ds_cp16(void* dst, const void* src, bool ok) { ok ? (void)memcpy(dst, src, 16) : (void)memset(dst, 0, 16); }
+#define ds_cp_wait()
+#else
+DS_FN void ds_cp16(void* dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src), "r"(ok ? 16 : 0));
+}
+#define ds_cp_wait() asm volatile("cp.async.wait_all;\n" ::)
+#endif
+
+// d += A·B on the tensor cores (PTX mma.m16n8k16, f16 inputs, f32 accumulation), in PTX's fragment layout: lane
+// (g, t) = (lane / 4, lane % 4) holds A's rows g, g + 8 at K positions 2t, 2t + 1 (a0: row g, a1: row g + 8) and
+// 2t + 8, 2t + 9 (a2, a3), B's column g at the same K positions (b0, b1), d's rows g, g + 8 at columns 2t, 2t + 1.
+#if defined(DS_SIM)
+#define ds_mma16816 ds_sim_mma16816
+#else
+DS_FN void ds_mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
 #endif

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <array>
 #include <type_traits>
 #include <vector>
 
@@ -102,6 +103,7 @@ struct Fiber {
 struct Block {
   std::vector<Fiber> fibers;
   std::vector<uint64_t> slots;  // one shuffle slot per thread
+  std::vector<std::array<uint32_t, 6>> frags;  // one mma operand set per thread
   ucontext_t boot;  // written by the swapcontext that starts a fiber, never resumed
   jmp_buf main;
   int cur = 0;
@@ -174,6 +176,7 @@ inline const char* launch(uint3 grid, uint3 block, std::function<void()> body) {
   const size_t n = (size_t)block.x * block.y * block.z;
   b.fibers.resize(n);
   b.slots.resize(n);
+  b.frags.resize(n);
   static std::vector<char*> stacks;  // kept for later launches (uninitialized: no memset of n * kStack)
   while (stacks.size() < n) stacks.push_back(new char[kStack]);
   for (size_t i = 0; i < n; ++i) {
@@ -212,6 +215,30 @@ template <class T> inline T shuffle(T v, int src_lane) {
   wait(AT_SYNCWARP);  // every lane has read before a later shuffle overwrites
   return r;
 }
+
+// PTX mma.m16n8k16 (f16 inputs, f32 accumulation) across a warp, in PTX's fragment layout (mm.h ds_mma16816):
+// every lane posts its A and B registers, then computes its own 4 outputs from all of them, the products exact
+// and summed in double (the tensor cores' order of summation is their own).
+inline void mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  const int t = g->cur, w = t & ~31, gid = (t & 31) >> 2, tq = t & 3;
+  g->frags[t] = {a0, a1, a2, a3, b0, b1};
+  wait(AT_SYNCWARP);  // every lane has posted
+  auto a_at = [&](int r, int k) {  // A[r][k]: lane (r % 8)·4 + (k % 8) / 2, register (r ≥ 8) + 2·(k ≥ 8)
+    return ds_sim_h(g->frags[w + 4 * (r & 7) + ((k & 7) >> 1)][(r >> 3) + 2 * (k >> 3)], k & 1);
+  };
+  auto b_at = [&](int k, int n) {  // B[k][n]: lane 4n + (k % 8) / 2, register k ≥ 8
+    return ds_sim_h(g->frags[w + 4 * n + ((k & 7) >> 1)][4 + (k >> 3)], k & 1);
+  };
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int r = gid + 8 * (i >> 1), n = 2 * tq + (i & 1);
+    double s = 0.0;
+    for (int k = 0; k < 16; ++k) s += a_at(r, k) * b_at(k, n);
+    out[i] = (float)((double)d[i] + s);
+  }
+  wait(AT_SYNCWARP);  // every lane has read before a later mma overwrites
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
 }  // namespace ds_sim
 
 #define threadIdx (::ds_sim::me().tid)
@@ -231,6 +258,7 @@ template <class T> inline T __shfl_sync(unsigned, T v, int src, int = 32) { retu
 
 // cp.async stand-ins (ds_prelude.h under DS_SIM): the copy happens at once; commit and wait do nothing.
 inline void ds_sim_copy8(void* dst, const void* src) { std::memcpy(dst, src, 8); }
+#define ds_sim_mma16816 ::ds_sim::mma16816
 
 namespace nvcuda {
 namespace wmma {
