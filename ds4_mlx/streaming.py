@@ -11,7 +11,9 @@ reads the same bytes in the same order, so the results equal the resident model'
 
 The host has to know the chosen experts before it reads them, so a streamed MoE waits for its router: decode
 steps run op by op (not compiled), and reads do not overlap the device's work. A chunk whose tokens choose more
-experts than the cache holds runs in parts that fit (:meth:`ExpertCache.spans`, :meth:`ExpertCache.groups`).
+experts than the cache holds runs in parts that fit (:meth:`ExpertCache.spans`, :meth:`ExpertCache.groups`); on a
+GPU a decode-sized call cut into parts runs the routed and shared experts as separate products, not in the resident
+model's fused launches, so its results can differ from the resident model's by rounding.
 """
 
 from __future__ import annotations
@@ -150,9 +152,11 @@ class ExpertCache:
         self.templates = first
         self.pools = [mx.zeros((self.slots, *t.storage_shape), dtype=storage_dtypes(t.qtype)[1]) for t in first]
         mx.eval(self.pools)
-        # On the CPU the reads land in the pools themselves (numpy views of their memory): no copy. Elsewhere a
-        # read is copied into its slot by MLX (the GPU's buffers are not host memory on every backend).
-        self._views = [_host_view(p) for p in self.pools] if mx.default_device() == mx.cpu else [None] * len(self.pools)
+        # The reads land in the pools themselves (numpy views of their memory, no copy) where the host may write
+        # that memory: on the CPU, and under MLX-CUDA, whose buffers are CUDA managed memory (the device's next
+        # read moves the pages back). Elsewhere (Metal, not run here) MLX copies a read into its slot.
+        in_place = mx.default_device() == mx.cpu or mx.cuda.is_available()
+        self._views = [_host_view(p) for p in self.pools] if in_place else [None] * len(self.pools)
         self._pending: list[mx.array] = []  # outputs computed from the pools, not evaluated yet (see reading)
         self._slot_of: dict[tuple[int, int], int] = {}
         self._owner: list[tuple[int, int] | None] = [None] * self.slots
