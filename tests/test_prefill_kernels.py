@@ -98,8 +98,6 @@ def test_attention_chunk_with_fused_index_scores(model, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(BACKEND == "cuda", strict=True, reason="on the H200 the chunks differ from one call by 4.0e-2 of "
-                   "the largest logit, with MLX's TF32 on or off; not explained (benchmarks/RESULTS.md)")
 def test_chunked_prefill_equals_one_shot_on_the_kernels(model):
     """Chunks of 13 and 29 tokens against one 42-token call, on the kernels: each token's grouped product sums K in
     the same order whatever tile it lands in, so the chunking changes the logits by rounding only."""
