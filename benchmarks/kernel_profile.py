@@ -138,8 +138,8 @@ def kernel_times(path: Path) -> list[tuple[str, float]]:
 
 
 def summarize(path: Path) -> None:
-    """Per-kernel GPU time of the last marked step (or chunk); with several marked steps (``--steps``), first each step's
-    total and its slowest launches, to tell one-off stalls from launches that are slow in every step."""
+    """Per-kernel GPU time of the last marked step (or prefill chunk); with several marked steps (``--steps``), first
+    each step's total and its slowest launches, to tell one-off stalls from launches that are slow in every step."""
     times = kernel_times(path)
     marks = [i for i, (n, _) in enumerate(times) if MARKER in n]
     if len(marks) < 2:
