@@ -55,13 +55,16 @@ def run(layers: int, ctx: int, steps: int = 1, batch: int = 1, prefill: int = 0)
     from ds4_mlx.random_model import random_weights, shape_config
     from ds4_mlx.session import Session, step_batch
 
+    if prefill and not 0 < prefill <= ctx:  # before the model's minutes of set-up
+        raise SystemExit(f"--prefill {prefill}: a chunk of 1 to --ctx ({ctx}) tokens")
     cfg = shape_config("full", layers)
     model = Model(cfg, random_weights(cfg, "q2"))
+    prompt = [0] + np.random.default_rng(0).integers(2, cfg.n_vocab, ctx - 1).tolist()
     if prefill:
-        run_prefill_chunk(model, ctx, prefill)
+        run_prefill_chunk(model, prompt, prefill)
         return
     sess = Session(model, chunk_size=ctx)
-    sess.prefill([0] + np.random.default_rng(0).integers(2, cfg.n_vocab, ctx - 1).tolist())
+    sess.prefill(prompt)
     if batch == 1:
         def step(tok: list[int]) -> list[int]:
             return [int(mx.argmax(sess.step(tok[0])).item())]
@@ -82,14 +85,12 @@ def run(layers: int, ctx: int, steps: int = 1, batch: int = 1, prefill: int = 0)
     marker()
 
 
-def run_prefill_chunk(model, ctx: int, chunk: int) -> None:
-    """A ``ctx``-token prompt in chunks of ``chunk``, twice (the first warms the JIT up); the second's last chunk
-    between two markers."""
+def run_prefill_chunk(model, prompt: list[int], chunk: int) -> None:
+    """``prompt`` in chunks of ``chunk``, twice (the first warms the JIT up); the second's last chunk between two
+    markers."""
     from ds4_mlx.session import Session
 
-    if not 0 < chunk <= ctx:
-        raise SystemExit(f"--prefill {chunk}: a chunk of 1 to --ctx ({ctx}) tokens")
-    prompt = [0] + np.random.default_rng(0).integers(2, model.cfg.n_vocab, ctx - 1).tolist()
+    ctx = len(prompt)
     Session(model, chunk_size=chunk).prefill(prompt)
     sess = Session(model, chunk_size=chunk, reserve=ctx)
     if ctx > chunk:
