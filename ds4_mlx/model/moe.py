@@ -185,11 +185,28 @@ class MoE:
             weights, slots = self.streamed.fetch(self.il, ids)
             return self.streamed.reading(self.experts(n, slots, w, nq, weights=weights))
         n = cols(n, self.ffn_gate_inp.in_features)
+        if len(ids) <= MV_MAX_TOKENS:
+            return self._streamed_in_full(n, ids, w, nq)
         if host.wanted(len(ids)) and kernel_backend() == "fallback":
             y = self._streamed_by_expert(n, ids, w)
         else:
             y = self._streamed_by_token(n, ids, w)
         return y + self.shared(n)
+
+    def _streamed_in_full(self, n: mx.array, ids: np.ndarray, w: mx.array, nq) -> mx.array:
+        """A decode-sized call whose experts do not fit: on the GPU its routed and shared experts are one launch
+        whose shape depends on the call's token count, so each span of tokens runs the whole call (the other
+        tokens pointed at slot 0 with route weight 0) and keeps its own rows."""
+        T = len(ids)
+        y = None
+        for t0, t1 in self.streamed.spans(ids):
+            weights, slots = self.streamed.fetch(self.il, ids[t0:t1])
+            mine = mx.array((np.arange(T) >= t0) & (np.arange(T) < t1))[:, None]
+            sel = mx.pad(slots, [(t0, T - t1), (0, 0)])
+            ys = self.experts(n, sel, mx.where(mine, w, 0.0), nq, weights=weights)
+            y = ys if y is None else mx.where(mine, ys, y)
+            mx.eval(y)  # before the next span's experts take the slots
+        return y
 
     def _streamed_by_token(self, n: mx.array, ids: np.ndarray, w: mx.array) -> mx.array:
         """Routed experts of a chunk in spans of tokens whose experts fit (the kernels and MLX's products: a
