@@ -137,7 +137,8 @@ def profile(model: Model, T: int, ctx: int, reps: int) -> list[dict]:
             k = attn.indexer.top_k if attn.indexer is not None else 0
             t("attention core (one launch)", lambda: kernels.attention_chunk(
                 q, raw_keys, deep.comp if ratio else None, idx, attn.attn_sinks, keep=keep, window=cfg.n_swa,
-                pos=pos, ratio=ratio, top_k=k, scale=attn.scale, backend=kernel_backend()), "attention")  # fmt: skip
+                pos=pos, ratio=ratio, top_k=k, scale=attn.scale, C=rC, S=rS, groups=attn.n_group,
+                backend=kernel_backend()).a, "attention")  # fmt: skip
         t("moe", lambda: ffn.forward(n, toks))
         sel, w = ffn.route(n, toks)
         mx.eval(sel, w)

@@ -160,7 +160,7 @@ INPUTS = {
     "mm": ["w", "x", "ids", "tiles", "params", "w2", "aux"],
     "deq": ["w", "params"],
     "index_mm": ["iq", "hw", "keys", "params"],
-    "attn_chunk": ["q", "raw", "comp", "idx", "sinks", "params"],
+    "attn_chunk": ["q", "raw", "comp", "idx", "sinks", "rc", "rs", "params", "oparams"],
 }
 #: Kernels whose helpers live in another kind's header (``<kind>.h``).
 HEADER_OF = {"deq": "mm", "index_mm": "mm", "attn_chunk": "mm"}
@@ -492,7 +492,7 @@ def instantiations() -> list[Instantiation]:
 _CUDA_DTYPES = {"w": "uint8_t", "x": "float", "ids": "int32_t", "tiles": "int32_t", "params": "int32_t",
                 "w2": "uint8_t", "aux": "float", "ws": "uint8_t", "iq": "__nv_bfloat16", "hw": "float",
                 "keys": "__nv_bfloat16", "q": "float", "raw": "__half", "comp": "__half", "idx": "int32_t",
-                "sinks": "float"}
+                "sinks": "float", "rc": "float", "rs": "float", "oparams": "int32_t"}
 
 
 def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
@@ -507,7 +507,7 @@ def render_cuda_translation_unit(insts: list[Instantiation]) -> str:
         x_f16 = inst.kind == "mm"  # the experts' prefill product reads x as f16; its SwiGLU writes f16
         params = ", ".join(f"const {'__half' if n == 'x' and x_f16 else _CUDA_DTYPES[n]}* {n}"
                            for n in INPUTS[inst.kind])
-        y_f16 = (x_f16 and t.get("EPI") == MM_SWIGLU) or (inst.kind == "deq" and t["H"])
+        y_f16 = (x_f16 and t.get("EPI") == MM_SWIGLU) or (inst.kind == "deq" and t["H"]) or inst.kind == "attn_chunk"
         params += f", {'__half' if y_f16 else 'float'}* y"
         consts = "".join(
             f"constexpr bool {k} = {'true' if v else 'false'};\n" if isinstance(v, bool) else f"constexpr int {k} = {v};\n"
@@ -548,6 +548,11 @@ def _params(*vals: int) -> mx.array:
     v = list(vals) + [0] * (8 - len(vals))
     a = mx.array(np.array(v, dtype=np.int32))
     return a  # built from host data: already materialized (and safe to create inside a compile trace)
+
+
+def _f32_bits(v: float) -> int:
+    """A float32's bits as an int32 (a float in an int32 parameter block)."""
+    return int(np.array(v, dtype=np.float32).view(np.int32))
 
 
 def _pad_ids(ids: mx.array, backend: str) -> mx.array:
@@ -681,7 +686,7 @@ def _mv_plan(
     direct = reg_direct(qw, backend, epi, gather, xq, shared_qt) if direct is None else direct
     wb = weight_bytes(qw)
     rows = P // k_slots if epi == MV_SUM else P + (P // k_slots if shared_qt is not None else 0)  # of y
-    clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
+    clamp_bits = _f32_bits(clamp)
     ip = k_slots * (2 if route_packed else 1)  # the ids' row pitch
     if epi == MV_SUM and (not gather or P % k_slots):
         raise ValueError("mv: the sum epilogue needs a gathered launch of whole tokens")
@@ -739,23 +744,44 @@ _scaled_f16 = mx.compile(lambda x: _f16(x * F16_PRODUCT_SCALE), shapeless=True)
 _unscaled_f32 = mx.compile(lambda y: y.astype(mx.float32) * (1.0 / F16_PRODUCT_SCALE), shapeless=True)
 
 
-def f16_product(x: mx.array, w16_t: mx.array) -> mx.array:
+class Scaled16(NamedTuple):
+    """An f16 array ``a`` holding values times :data:`F16_PRODUCT_SCALE`, as the dense prefill products read and
+    write them: a kernel's output made for such a product, or one product's output passed to the next without
+    the round trip through f32 (exact both ways: the scale is a power of two)."""
+
+    a: mx.array
+
+    @classmethod
+    def of(cls, values: mx.array) -> "Scaled16":
+        """``values`` scaled and rounded to f16 (held within f16's range)."""
+        return cls(_scaled_f16(values))
+
+    def values(self) -> mx.array:
+        """The values as float32."""
+        return _unscaled_f32(self.a)
+
+
+def f16_product(x: mx.array | Scaled16, w16_t: mx.array, keep_scaled: bool = False) -> mx.array | Scaled16:
     """``x @ w16_t`` for f16 weights ``w16_t`` (already transposed, any batch shape) on f16 tensor cores with f32
     accumulation -> float32: x is rounded once to f16 (scaled by :data:`F16_PRODUCT_SCALE`, held within f16's
-    range), the product once to f16 (docs/quants.md §8 ruling 2)."""
-    return _unscaled_f32(_scaled_f16(x) @ w16_t)
+    range; a :class:`Scaled16` x already is), the product once to f16 (docs/quants.md §8 ruling 2), returned as
+    :class:`Scaled16` with ``keep_scaled``."""
+    y = (x if isinstance(x, Scaled16) else Scaled16.of(x)).a @ w16_t
+    return Scaled16(y) if keep_scaled else _unscaled_f32(y)
 
 
-def dense_matmul(qw, x2: mx.array, backend: str) -> mx.array:
+def dense_matmul(qw, x2: mx.array | Scaled16, backend: str, keep_scaled: bool = False) -> mx.array | Scaled16:
     """``x2 [N, in] @ W.T`` -> float32 ``[N, out]`` for a prefill chunk: the weight decoded to f16 (``deq``), at
-    most DEQ_MAX_ELEMS of it at a time, times x with MLX's matmul (:func:`f16_product`; cuBLAS on CUDA). The f16
-    slabs are transient: nothing stays resident."""
+    most DEQ_MAX_ELEMS of it at a time, times x with MLX's matmul (:func:`f16_product`, which also says what
+    :class:`Scaled16` x and ``keep_scaled`` do; cuBLAS on CUDA). The f16 slabs are transient: nothing stays
+    resident."""
     n_out, n_in = qw.shape
     step = max(1, DEQ_MAX_ELEMS // n_in)
     if step >= n_out:
-        return f16_product(x2, dequantize(qw, backend, f16=True).T)
-    return mx.concatenate([f16_product(x2, dequantize(qw, backend, (r, min(r + step, n_out)), f16=True).T)
-                           for r in range(0, n_out, step)], axis=1)  # fmt: skip
+        return f16_product(x2, dequantize(qw, backend, f16=True).T, keep_scaled)
+    parts = [f16_product(x2, dequantize(qw, backend, (r, min(r + step, n_out)), f16=True).T, keep_scaled)
+             for r in range(0, n_out, step)]  # fmt: skip
+    return Scaled16(mx.concatenate([p.a for p in parts], axis=1)) if keep_scaled else mx.concatenate(parts, axis=1)
 
 
 def route_tiles(flat: mx.array, n_expert: int, bn: int) -> tuple[mx.array, mx.array]:
@@ -806,18 +832,22 @@ def index_scores_chunk(iq: mx.array, hw: mx.array, keys: mx.array, backend: str)
 
 def attention_chunk(
     q: mx.array, raw: mx.array, comp: mx.array | None, idx: mx.array | None, sinks: mx.array, *, keep: int,
-    window: int, pos: int, ratio: int, top_k: int, scale: float, backend: str,
-) -> mx.array:  # fmt: skip
+    window: int, pos: int, ratio: int, top_k: int, scale: float, C: mx.array, S: mx.array, groups: int, backend: str,
+) -> Scaled16:  # fmt: skip
     """A prefill chunk's attention in one launch (``attn_chunk``): ``q [T, H, D]`` at positions ``pos ..``, each query
     over its raw window (``raw [R, D]``: the chunk's rows after ``keep`` carried ones) and its visible compressed
     rows ``c < (p + 1) // ratio`` of ``comp`` (all of them, or with ``idx [T, top_k]`` the first
-    ``min(visible, top_k)`` listed), the per-head sink logit in the softmax. Returns ``o [T, H, D]`` float32 (before
-    the inverse RoPE). Keys are read as f16 (the ds4 profile stores them f16-rounded). A head count that is not a
-    multiple of ATTN_CHUNK_HG runs padded with zero heads (the tiny test models' 4)."""
+    ``min(visible, top_k)`` listed), the per-head sink logit in the softmax, then the inverse RoPE with the
+    tokens' tables ``C, S [T, D]``. Returns the output as the grouped output product reads it: :class:`Scaled16`
+    ``[G, T, H/G * D]``, group g holding heads g*H/G .. of each token. Keys are read as f16 (the ds4 profile
+    stores them f16-rounded). A head count that is not a multiple of ATTN_CHUNK_HG runs padded with zero heads
+    (the tiny test models' 4)."""
     T, H, D = q.shape
-    if D not in ATTN_CHUNK_DIMS or raw.shape[1] != D or sinks.shape != (H,):
-        raise ValueError(f"attention_chunk: q {q.shape}, raw {raw.shape}, sinks {sinks.shape} do not fit "
-                         f"[T, H, D in {ATTN_CHUNK_DIMS}], [R, D], [H]")  # fmt: skip
+    if D not in ATTN_CHUNK_DIMS or raw.shape[1] != D or sinks.shape != (H,) or groups < 1 or H % groups:
+        raise ValueError(f"attention_chunk: q {q.shape}, raw {raw.shape}, sinks {sinks.shape}, {groups} groups do "
+                         f"not fit [T, H, D in {ATTN_CHUNK_DIMS}], [R, D], [H], G | H")  # fmt: skip
+    if C.shape != (T, D) or S.shape != (T, D):
+        raise ValueError(f"attention_chunk: RoPE tables {C.shape}, {S.shape}, expected [{T}, {D}]")
     if raw.shape[0] != keep + T or (ratio and (comp is None or comp.shape[1] != D)):
         raise ValueError(f"attention_chunk: {raw.shape[0]} raw rows for {keep} carried + {T} tokens, comp "
                          f"{None if comp is None else comp.shape}")  # fmt: skip
@@ -828,17 +858,18 @@ def attention_chunk(
     Hp = -(-H // ATTN_CHUNK_HG) * ATTN_CHUNK_HG
     if Hp != H:
         q, sinks = mx.pad(q, [(0, 0), (0, Hp - H), (0, 0)]), mx.pad(sinks, [(0, Hp - H)])
-    scale_bits = int(np.array(scale, dtype=np.float32).view(np.int32))
-    o = get_kernel("attn_chunk", backend, False)(
-        inputs=[q, *f16, _dummy() if idx is None else _pad_ids(idx, backend), sinks,
-                _params(T, Hp, keep, window, pos, ratio, top_k, scale_bits)],
+    C, S = (a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (C, S))
+    return Scaled16(get_kernel("attn_chunk", backend, False)(
+        inputs=[q, *f16, _dummy() if idx is None else _pad_ids(idx, backend), sinks, C, S,
+                _params(T, Hp, keep, window, pos, ratio, top_k, _f32_bits(scale)),
+                _params(H, H // groups, _f32_bits(F16_PRODUCT_SCALE))],
         template=list(attn_chunk_template(D, idx is not None)),
         grid=(Hp // ATTN_CHUNK_HG * 256, T, 1),
         threadgroup=(256, 1, 1),
-        output_shapes=[(T, Hp, D)],
-        output_dtypes=[mx.float32],
-    )[0]  # fmt: skip
-    return o if Hp == H else o[:, :H]
+        output_shapes=[(groups, T, H // groups * D)],
+        output_dtypes=[mx.float16],
+    )[0])  # fmt: skip
+
 
 
 def mm_bn(n_pairs: int, n_expert: int) -> int:
@@ -882,7 +913,7 @@ def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Ro
     routes = routes or routes_for(flat, E, backend)
     wb = weight_bytes(qw)
     per_slot = int(x2.shape[0] == P and k_slots > 1)
-    clamp_bits = int(np.array(clamp, dtype=np.float32).view(np.int32))
+    clamp_bits = _f32_bits(clamp)
     params = _params(n_in, n_out, wb.shape[-1], k_slots, per_slot, P, clamp_bits, int(aux is not None))
     threads, rows = mm_launch(backend)
     ro = rows // 2 if epi == MM_SWIGLU else rows
@@ -975,10 +1006,16 @@ def _row_cols(qw, x: Cols) -> bool:
     return x.a.shape[0] == 1 and x.start % 4 == 0 and x.start + qw.shape[-1] <= x.a.shape[-1] and _dense_mv(qw, 1)
 
 
-def matmul(qw, x: mx.array | Cols, backend: str) -> mx.array:
+def matmul(qw, x: mx.array | Cols | Scaled16, backend: str, scaled_out: bool = False) -> mx.array | Scaled16:
     """``x @ W.T`` on the GPU backends: x [..., in] → float32 [..., out]. ``x`` may be one token's columns of a
-    wider row (:class:`Cols`): the matvec reads them in place."""
+    wider row (:class:`Cols`): the matvec reads them in place; or a :class:`Scaled16` ``[N, in]``, which the
+    dense prefill product reads as it is. ``scaled_out``: the caller also takes a :class:`Scaled16` result,
+    which the dense prefill product then returns (its own f16 output)."""
     n_in = qw.shape[-1]
+    if isinstance(x, Scaled16):
+        if x.a.ndim == 2 and supports(qw) and not _q8_affine(qw) and not _dense_mv(qw, x.a.shape[0]):
+            return dense_matmul(qw, x, backend, scaled_out)
+        x = x.values()
     if isinstance(x, Cols):
         if _row_cols(qw, x):
             return mv(qw, x, backend, shape=(1, qw.shape[0]))
@@ -997,14 +1034,17 @@ def matmul(qw, x: mx.array | Cols, backend: str) -> mx.array:
     elif not supports(qw):
         y = qw._fallback_matmul(x2)
     else:
-        y = dense_matmul(qw, x2, backend)
+        y = dense_matmul(qw, x2, backend, scaled_out)
+        if isinstance(y, Scaled16):
+            return Scaled16(y.a.reshape(*lead, qw.shape[0]))
     return y.reshape(*lead, qw.shape[0])
 
 
-def matmul_rms(qw, x: mx.array | Cols, norm: mx.array, eps: float, backend: str) -> mx.array:
+def matmul_rms(qw, x: mx.array | Cols, norm: mx.array, eps: float, backend: str,
+               scaled_out: bool = False) -> mx.array | Scaled16:  # fmt: skip
     """``rms_norm(x, norm, eps) @ W.T`` on the GPU backends: one matvec launch with the norm as its prologue
-    for decode-sized x, else MLX's rms_norm then :func:`matmul`. ``x`` may be the first columns of one token's
-    wider row (:class:`Cols`): the kernel reads them in place."""
+    for decode-sized x, else MLX's rms_norm then :func:`matmul` (``scaled_out`` as there). ``x`` may be the
+    first columns of one token's wider row (:class:`Cols`): the kernel reads them in place."""
     n_in = qw.shape[-1]
     if isinstance(x, Cols):
         if _row_cols(qw, x):
@@ -1013,7 +1053,7 @@ def matmul_rms(qw, x: mx.array | Cols, norm: mx.array, eps: float, backend: str)
     if _dense_mv(qw, x.size // n_in):
         x = x if x.dtype == mx.float32 else x.astype(mx.float32)
         return mv(qw, x, backend, epi=MV_RMS, aux=norm, clamp=eps, shape=(*x.shape[:-1], qw.shape[0]))
-    return matmul(qw, mx.fast.rms_norm(x, norm, eps), backend)
+    return matmul(qw, mx.fast.rms_norm(x, norm, eps), backend, scaled_out)
 
 
 def gather_matmul(qw, x: mx.array, ids: mx.array, backend: str, out_shape: tuple[int, ...] | None = None) -> mx.array:

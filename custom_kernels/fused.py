@@ -50,8 +50,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import (
-    MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, _dummy, _params, _read, _read_for, build, mv,
-    reg_direct, render_prelude, render_source, supports,
+    F16_PRODUCT_SCALE, MV_MAX_TOKENS, MV_SUM, MV_SWIGLU, MV_SWIGLU_TYPES, MV_XQ_TYPES, Cols, Scaled16, _dummy, _params,
+    _read, _read_for, build, mv, reg_direct, render_prelude, render_source, supports,
 )
 
 #: Threads per threadgroup of the HC pre kernel (8 simdgroups split the 24 dot products over n_hc*E), and of
@@ -796,7 +796,7 @@ def chunk_top_k_counts(n: int, k: int, first: int, ratio: int) -> mx.array:
 
 
 def qkv_rows(
-    qb: mx.array,
+    qb: mx.array | Scaled16,
     kvb: mx.array | Cols,
     norm: mx.array,
     C: mx.array,
@@ -812,12 +812,14 @@ def qkv_rows(
     """Query heads and KV row after their projections (docs/model.md §4.4, §4.12) -> ``q [T, n_head, D]``,
     ``kv [T, D]``; None where the kernel does not run (the ``fallback`` backend, D not a multiple of 64 or over 1024, T = 0).
 
-    ``qb [T, n_head*D]`` (attn_q_b output): per-head RMS norm (no weight), RoPE. ``kvb [T, D]`` (attn_kv output;
-    one token's may be :class:`Cols`): RMS norm × ``norm [D]``, RoPE, then the FP8 round trip of the first
-    ``nope_fp8`` dims (0: none) and f16 rounding (``f16r``), as ds4 stores the row. ``C, S [T, D]``: the tokens'
-    RoPE tables. ``window = (raw, keep, dtype)`` (one token): instead of the row, the raw window after it,
-    ``concat(raw[-keep:], row)`` stored as ``dtype``, in the same launch.
+    ``qb [T, n_head*D]`` (attn_q_b output, float32, or :class:`Scaled16` read as it is): per-head RMS norm (no
+    weight), RoPE. ``kvb [T, D]`` (attn_kv output; one token's may be :class:`Cols`): RMS norm × ``norm [D]``,
+    RoPE, then the FP8 round trip of the first ``nope_fp8`` dims (0: none) and f16 rounding (``f16r``), as ds4
+    stores the row. ``C, S [T, D]``: the tokens' RoPE tables. ``window = (raw, keep, dtype)`` (one token):
+    instead of the row, the raw window after it, ``concat(raw[-keep:], row)`` stored as ``dtype``, in the same
+    launch.
     """
+    qb, q_scale = (qb.a, 1.0 / F16_PRODUCT_SCALE) if isinstance(qb, Scaled16) else (qb, 1.0)
     if isinstance(kvb, Cols):  # one token
         T, D = 1, qb.shape[-1] // n_head
         kv_in, kvo = _row_in_place("qkv_rows: kvb", kvb, D)
@@ -826,7 +828,8 @@ def qkv_rows(
     else:
         (T, D), kv_in, kvo = kvb.shape, kvb, 0
         _check_f32("qkv_rows: kvb", kvb, (T, D))
-    _check_f32("qkv_rows: qb", qb, (T, n_head * D))
+    if qb.shape != (T, n_head * D) or qb.dtype != (mx.float32 if q_scale == 1.0 else mx.float16):
+        raise ValueError(f"qkv_rows: qb {qb.shape} {qb.dtype}, expected [{T}, {n_head * D}] float32 or Scaled16")
     _check_f32("qkv_rows: norm", norm, (D,))
     _check_f32("qkv_rows: C", C, (T, D))
     _check_f32("qkv_rows: S", S, (T, D))
@@ -843,7 +846,7 @@ def qkv_rows(
         raw = raw.astype(dtype)  # a no-op once the window is stored as dtype (a fresh cache starts f32)
         wparams, rows = _params(raw.shape[0], keep, kvo), keep + 1
     return tuple(get_fused_kernel("qkv_rows", backend)(
-        inputs=[qb, kv_in, norm, C, S, _f32(float(eps)), raw, wparams],
+        inputs=[qb, kv_in, norm, C, S, _f32(float(eps), q_scale), raw, wparams],
         template=[("HD", D), ("NH", n_head), ("NOPE", nope_fp8), ("F16R", int(f16r)), ("WIN", int(window is not None))],
         grid=(T * (n_head + 1) * D, 1, 1),
         threadgroup=(D, 1, 1),

@@ -158,29 +158,33 @@ class QuantWeight:
 
     # --- products ---------------------------------------------------------------------------------------
 
-    def matmul(self, x) -> mx.array:
+    def matmul(self, x, scaled_out: bool = False):
         """``y = x @ W.T``: x ``[..., in]`` → float32 ``[..., out]`` for a 2-D weight; or one token's columns of a
-        wider row (:class:`ds4_mlx.kernels.Cols`), which the GPU backends read in place."""
+        wider row (:class:`ds4_mlx.kernels.Cols`), which the GPU backends read in place. ``x`` may be a
+        :class:`ds4_mlx.kernels.Scaled16`; with ``scaled_out`` the result may be one (where the dense prefill
+        product ran, :func:`ds4_mlx.kernels.matmul`)."""
         if len(self.shape) != 2:
             raise ValueError(f"matmul needs a 2-D weight, this one is {self.shape}")
         if isinstance(x, mx.array) and x.shape[-1] != self.in_features:
             raise ValueError(f"matmul: x has {x.shape[-1]} features, weight expects {self.in_features}")
         backend = kernel_backend()
         if backend != "fallback":
-            return _kernels().matmul(self, x, backend)  # takes Cols too
-        # Cols come from decode, which imported the kernels
-        return self._fallback_matmul(x if isinstance(x, mx.array) else _kernels().cols(x, self.in_features))
+            return _kernels().matmul(self, x, backend, scaled_out)  # takes Cols and Scaled16 too
+        if not isinstance(x, mx.array):  # Cols or Scaled16, made where the kernels were imported
+            x = x.values() if isinstance(x, _kernels().Scaled16) else _kernels().cols(x, self.in_features)
+        return self._fallback_matmul(x)
 
-    def matmul_rms(self, x, norm: mx.array, eps: float) -> mx.array:
+    def matmul_rms(self, x, norm: mx.array, eps: float, scaled_out: bool = False):
         """``rms_norm(x, norm, eps) @ W.T``: on the GPU backends the norm is the matvec's prologue (one launch).
-        ``x [..., in]``, or one token's columns of a wider row (:class:`ds4_mlx.kernels.Cols`)."""
+        ``x [..., in]``, or one token's columns of a wider row (:class:`ds4_mlx.kernels.Cols`); ``scaled_out``
+        as in :meth:`matmul`."""
         backend = kernel_backend()
         on_kernels = backend != "fallback" and len(self.shape) == 2
         if not isinstance(x, mx.array) and not on_kernels:  # Cols (made by decode, which imported the kernels)
             x = _kernels().cols(x, self.in_features)
         if on_kernels and (not isinstance(x, mx.array) or x.shape[-1] == self.in_features):
-            return _kernels().matmul_rms(self, x, norm, eps, backend)  # takes Cols too
-        return self.matmul(mx.fast.rms_norm(x, norm, eps))
+            return _kernels().matmul_rms(self, x, norm, eps, backend, scaled_out)  # takes Cols too
+        return self.matmul(mx.fast.rms_norm(x, norm, eps), scaled_out)
 
     def gather_matmul(self, x: mx.array, ids: mx.array, out_shape: tuple[int, ...] | None = None) -> mx.array:
         """Expert-gathered product for a 3-D ``(E, out, in)`` weight.
@@ -205,17 +209,21 @@ class QuantWeight:
             return _kernels().gather_matmul(self, x, ids, backend, out_shape)
         return self._fallback_gather_matmul(x, ids, out_shape)
 
-    def batched_matmul(self, x: mx.array) -> mx.array:
+    def batched_matmul(self, x, scaled_out: bool = False):
         """``x [G, T, in]`` times each matrix of a 3-D ``(G, out, in)`` weight: ``[G, T, out]``, ``y[g] = x[g] @ W[g].T``.
 
         MLX's batched matmul: for prefill chunks, where a grouped product has many tokens per matrix (the
         attention's grouped output projection). On the GPU backends the weight is decoded to f16 by a kernel and the
-        product runs as the dense prefill products do (``f16_product``); elsewhere in f32."""
-        if len(self.shape) != 3 or x.ndim != 3 or x.shape[0] != self.shape[0] or x.shape[2] != self.in_features:
-            raise ValueError(f"batched_matmul: x {x.shape} does not fit {self!r}")
+        product runs as the dense prefill products do (``f16_product``); elsewhere in f32. ``x`` may be a
+        :class:`ds4_mlx.kernels.Scaled16`; with ``scaled_out`` the result is one where the f16 product ran."""
+        xa = x if isinstance(x, mx.array) else x.a
+        if len(self.shape) != 3 or xa.ndim != 3 or xa.shape[0] != self.shape[0] or xa.shape[2] != self.in_features:
+            raise ValueError(f"batched_matmul: x {xa.shape} does not fit {self!r}")
         backend = kernel_backend()
         if backend != "fallback" and _kernels().supports(self):
-            return _kernels().f16_product(x, _kernels().dequantize(self, backend, f16=True).swapaxes(1, 2))
+            w16_t = _kernels().dequantize(self, backend, f16=True).swapaxes(1, 2)
+            return _kernels().f16_product(x, w16_t, scaled_out)
+        x = x if isinstance(x, mx.array) else x.values()
         if host.wanted(x.shape[1]):
             xn = host.to_numpy(x)[0]
             return mx.array(np.stack([xn[g] @ self.host_f32(g, g + 1)[0].T for g in range(x.shape[0])]))

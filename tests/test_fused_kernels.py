@@ -971,6 +971,21 @@ def test_qkv_rows_kernel(T, H, D, nope, f16):
         assert np.all(diff <= np.maximum(np.abs(want) / 8, 2**-9) * 1.01), "an FP8 value moved by more than one step"
 
 
+@needs_gpu
+def test_qkv_rows_reads_a_products_f16_output():
+    """qb as the dense product leaves it (Scaled16): the kernel scales it back exactly, so q equals q from the same
+    values given as float32, bit for bit; and the fallback reads it too."""
+    qb, kvb, norm, C, S = qkv_inputs(9, 4, 128, seed=11)
+    scaled = kernels.Scaled16.of(qb)
+    for backend in (BACKEND, "fallback"):
+        q16, kv16 = fused.qkv_rows(scaled, kvb, norm, C, S, 1e-6, 4, f16r=True, backend=backend)
+        q32, kv32 = fused.qkv_rows(scaled.values(), kvb, norm, C, S, 1e-6, 4, f16r=True, backend=backend)
+        np.testing.assert_array_equal(np.array(q16), np.array(q32))
+        np.testing.assert_array_equal(np.array(kv16), np.array(kv32))
+    with pytest.raises(ValueError, match="qb"):
+        fused.qkv_rows(scaled.a, kvb, norm, C, S, 1e-6, 4, backend=BACKEND)  # f16 without the scale's mark
+
+
 def test_qkv_rows_window_fallback():
     """The window mode of the fallback: the kept raw rows, then the new row, as the cache dtype."""
     qb, kvb, norm, C, S = qkv_inputs(1, 4, 128, seed=3)

@@ -348,12 +348,19 @@ def test_attention_chunk(D, H, T, keep, W, pos, ratio, k, listed):
     comp = rng.standard_normal((C + 3, D)).astype(np.float16)  # spare rows past the visible ones
     idx = np.stack([rng.permutation(C)[:k] for _ in range(T)]).astype(np.int32) if listed else None
     sinks = rng.standard_normal(H).astype(np.float32)
-    got = np.array(kernels.attention_chunk(
+    angle = rng.uniform(0, 2 * np.pi, (T, D // 2))
+    C, S = np.repeat(np.cos(angle), 2, 1), np.repeat(np.sin(angle), 2, 1) * np.tile([-1, 1], D // 2)  # RoPE tables
+    G = 2
+    got = kernels.attention_chunk(
         mx.array(q), mx.array(raw), mx.array(comp) if ratio else None, None if idx is None else mx.array(idx),
-        mx.array(sinks), keep=keep, window=W, pos=pos, ratio=ratio, top_k=k, scale=D**-0.5, backend=BACKEND))  # fmt: skip
-    want = _attention_reference(q.astype(np.float16), raw, comp, idx, sinks, keep, W, pos, ratio, k, D**-0.5)
-    assert got.shape == (T, H, D)
-    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()  # probabilities in f16
+        mx.array(sinks), keep=keep, window=W, pos=pos, ratio=ratio, top_k=k, scale=D**-0.5,
+        C=mx.array(C.astype(np.float32)), S=mx.array(S.astype(np.float32)), groups=G, backend=BACKEND)  # fmt: skip
+    o = _attention_reference(q.astype(np.float16), raw, comp, idx, sinks, keep, W, pos, ratio, k, D**-0.5)
+    o = o * C[:, None] - o.reshape(T, H, D // 2, 2)[..., ::-1].reshape(T, H, D) * S[:, None]  # the inverse RoPE
+    want = o.reshape(T, G, H // G * D).swapaxes(0, 1)  # the grouped product's layout
+    assert got.a.dtype == mx.float16 and got.a.shape == (G, T, H // G * D)
+    assert np.abs(np.array(got.a) / kernels.F16_PRODUCT_SCALE - want).max() <= 2e-3 * np.abs(want).max()
+    assert np.abs(np.array(got.values()) - want).max() <= 2e-3 * np.abs(want).max()  # probabilities in f16
 
 
 @needs_gpu

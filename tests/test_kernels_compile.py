@@ -34,11 +34,13 @@ def arrays(kind):
                   iq=mx.zeros((64,), dtype=mx.bfloat16), hw=mx.zeros((8,)), keys=mx.zeros((64,), dtype=mx.bfloat16),
                   q=mx.zeros((64,)),
                   raw=mx.zeros((64,), dtype=mx.float16), comp=mx.zeros((64,), dtype=mx.float16),
-                  idx=mx.zeros((8,), dtype=mx.int32), sinks=mx.zeros((8,)))
+                  idx=mx.zeros((8,), dtype=mx.int32), sinks=mx.zeros((8,)), rc=mx.zeros((8,)), rs=mx.zeros((8,)),
+                  oparams=mx.zeros((8,), dtype=mx.int32))
     return [common[n] for n in k.INPUTS[kind]]
-def out_dtype(inst):  # mm's SwiGLU and deq's H write f16
+def out_dtype(inst):  # mm's SwiGLU, deq's H and attn_chunk write f16
     t = dict(inst.template)
-    f16 = (inst.kind == "mm" and t["EPI"] == k.MM_SWIGLU) or (inst.kind == "deq" and t["H"])
+    f16 = ((inst.kind == "mm" and t["EPI"] == k.MM_SWIGLU) or (inst.kind == "deq" and t["H"])
+           or inst.kind == "attn_chunk")
     return mx.float16 if f16 else mx.float32
 d = tempfile.mkdtemp()
 for i, inst in enumerate(k.instantiations()):

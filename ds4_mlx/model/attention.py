@@ -25,7 +25,7 @@ import numpy as np
 
 from ..backend import kernel_backend
 from ..config import ModelConfig
-from ..kernels import ATTN_CHUNK_DIMS, MV_MAX_TOKENS, Cols, attention_chunk
+from ..kernels import ATTN_CHUNK_DIMS, MV_MAX_TOKENS, Cols, Scaled16, attention_chunk
 from ..kernels.fused import kernel_counts
 from ..numerics import Numerics, get_numerics, kv_rounding
 from ..weights import QuantWeight
@@ -305,7 +305,7 @@ class Attention:
             o = attention_chunk(q, raw_keys, cache.comp if r else None, self._selected_rows(qa, n, pos, cache),
                                 self.attn_sinks, keep=keep, window=W, pos=pos, ratio=r,
                                 top_k=self.indexer.top_k if self.indexer is not None else 0, scale=self.scale,
-                                backend=backend)  # fmt: skip
+                                C=C, S=S, groups=self.n_group, backend=backend)  # inverse-RoPE'd  fmt: skip
         else:  # in blocks of queries, so that score matrices stay bounded at long contexts
             B = self._query_block(T, keep, cache)
             outs = []
@@ -313,7 +313,7 @@ class Attention:
                 i1 = min(T, i0 + B)
                 outs.append(self._attend_block(q[i0:i1], qa[i0:i1], n[i0:i1], pos, i0, raw_keys, keep, cache))
             o = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # [T, H, D]
-        o = apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
+            o = apply_rope(o, C[:, None, :], S[:, None, :], inverse=True)
         y = self._output(o)  # [T, E]
 
         cache.raw = (raw_keys[-W:] if raw_keys.shape[0] > W else raw_keys).astype(self.kv_dtype)
@@ -332,7 +332,7 @@ class Attention:
         else:  # one token: its kernels read the columns in place (no slice nodes)
             qa, kvb = Cols(q_a_kv, 0), Cols(q_a_kv, self.q_lora)
         q, kv = qkv_rows(  # q = rope(headrms(q_b qr)) [T, H, D]; kv = kv_row(rope(rms(attn_kv n))) [T, D]
-            self.attn_q_b.matmul_rms(qa, self.attn_q_a_norm, self.eps), kvb,
+            self.attn_q_b.matmul_rms(qa, self.attn_q_a_norm, self.eps, scaled_out=True), kvb,
             self.attn_kv_a_norm, C, S, self.eps, self.n_head, nope_fp8=self.nope if self.numerics.fp8_kv else 0,
             f16r=self.numerics.f16_cache, window=window,
         )  # fmt: skip
@@ -531,15 +531,24 @@ class Attention:
                              f"{len(heads)} of {heads}")  # fmt: skip
         self.n_head, self.n_group, self.group = len(heads), len(heads) // per, group
 
-    def _output(self, o: mx.array) -> mx.array:
-        """``y = attn_output_b @ blockdiag(attn_output_a) o`` -> ``[T, E]``; with heads split, the ranks' sum."""
+    def _output(self, o: mx.array | Scaled16) -> mx.array:
+        """``y = attn_output_b @ blockdiag(attn_output_a) o`` -> ``[T, E]``; with heads split, the ranks' sum.
+        ``o``: ``[T, H, D]``, or :func:`attention_chunk`'s ``[G, T, H/G * D]``."""
         y = self.attn_output_b.matmul(self._grouped_output_a(o))
         return y if self.group is None else mx.distributed.all_sum(y, group=self.group)
 
-    def _grouped_output_a(self, o: mx.array) -> mx.array:
+    def _grouped_output_a(self, o: mx.array | Scaled16) -> mx.array | Scaled16:
         """``low [T, G*o_lora]``: group g (heads g*H/G ..) times its own o_lora rows of attn_output_a."""
-        T = o.shape[0]
         G, L = self.n_group, self.o_lora
+        if isinstance(o, Scaled16):  # attention_chunk's output, [G, T, H/G * D]
+            T = o.a.shape[1]
+            if T > MV_MAX_TOKENS:  # f16 in, f16 out where it can: attn_output_b's product reads it as it is
+                low = self._output_a_grouped().batched_matmul(o, scaled_out=True)  # [G, T, L]
+                if isinstance(low, Scaled16):
+                    return Scaled16(low.a.swapaxes(0, 1).reshape(T, G * L))
+                return low.swapaxes(0, 1).reshape(T, G * L)
+            o = o.values().swapaxes(0, 1).reshape(T, self.n_head, -1)
+        T = o.shape[0]
         if T > MV_MAX_TOKENS:  # a chunk: G dense products of T tokens each
             y = self._output_a_grouped().batched_matmul(o.reshape(T, G, -1).swapaxes(0, 1))  # [G, T, L]
             return y.swapaxes(0, 1).reshape(T, G * L)

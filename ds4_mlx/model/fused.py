@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..backend import kernel_backend
-from ..kernels import Cols, cols
+from ..kernels import Cols, Scaled16, cols
 from ..kernels import fused as K
 from ..numerics import HADAMARD_DIM, f16r as round_f16, fp8_e4m3_round_trip, indexer_qat
 from . import hyper
@@ -204,7 +204,7 @@ def compressor_write(
 
 
 def qkv_rows(
-    qb: mx.array,
+    qb: mx.array | Scaled16,
     kvb: mx.array | Cols,
     norm: mx.array,
     C: mx.array,
@@ -220,16 +220,17 @@ def qkv_rows(
     """Query heads and KV row after their projections (docs/model.md §4.4, §4.12) -> ``q [T, n_head, D]``,
     ``kv [T, D]``.
 
-    ``qb [T, n_head*D]`` (attn_q_b output): per-head RMS norm (no weight), RoPE. ``kvb [T, D]`` (attn_kv output;
-    one token's may be :class:`Cols`): RMS norm × ``norm [D]``, RoPE, then the FP8 round trip of the first
-    ``nope_fp8`` dims (0: none) and f16 rounding (``f16r``), as ds4 stores the row. ``C, S [T, D]``: the tokens'
-    RoPE tables. ``window = (raw, keep, dtype)`` (one token): instead of the row, the raw window after it,
-    ``concat(raw[-keep:], row)`` stored as ``dtype``, in the same launch.
+    ``qb [T, n_head*D]`` (attn_q_b output, float32 or :class:`Scaled16`): per-head RMS norm (no weight), RoPE.
+    ``kvb [T, D]`` (attn_kv output; one token's may be :class:`Cols`): RMS norm × ``norm [D]``, RoPE, then the
+    FP8 round trip of the first ``nope_fp8`` dims (0: none) and f16 rounding (``f16r``), as ds4 stores the row.
+    ``C, S [T, D]``: the tokens' RoPE tables. ``window = (raw, keep, dtype)`` (one token): instead of the row,
+    the raw window after it, ``concat(raw[-keep:], row)`` stored as ``dtype``, in the same launch.
     """
     out = K.qkv_rows(qb, kvb, norm, C, S, eps, n_head, nope_fp8=nope_fp8, f16r=f16r, window=window,
                      backend=_pick(backend))  # fmt: skip
     if out is not None:
         return out
+    qb = qb.values() if isinstance(qb, Scaled16) else qb
     T, D = qb.shape[0], qb.shape[1] // n_head
     q = apply_rope(mx.fast.rms_norm(qb.reshape(T, n_head, D), None, eps), C[:, None, :], S[:, None, :])
     kv = apply_rope(mx.fast.rms_norm(cols(kvb, D), norm, eps), C, S)
