@@ -932,7 +932,11 @@ def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Ro
 
 def _f16(x: mx.array) -> mx.array:
     """``x`` as mm reads it: f16, held within f16's finite range (a value past it would be an infinity)."""
-    return x if x.dtype == mx.float16 else mx.clip(x, -F16_MAX, F16_MAX).astype(mx.float16)
+    return x if x.dtype == mx.float16 else _clamped_f16(x)
+
+
+# one fused launch (uncompiled: a strided read for the clip's lower bound, another for its upper, then the cast)
+_clamped_f16 = mx.compile(lambda x: mx.clip(x, -F16_MAX, F16_MAX).astype(mx.float16), shapeless=True)
 
 
 def mm_gather(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, *, routes: Routes | None = None,
