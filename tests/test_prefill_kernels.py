@@ -97,6 +97,20 @@ def test_attention_chunk_with_fused_index_scores(model, monkeypatch):
     assert _rel(got, want) < 1e-2  # the projections' operands and products, q and the probabilities in f16
 
 
+def test_decode_sized_chunks_through_the_attention_kernel(model):
+    """Chunks of 7 and 5 tokens: attn_chunk's grouped f16 output goes to the matvec output projection (as float32),
+    and the result is the fallback's."""
+    attn = model.layers[1].attn
+    x = np.random.default_rng(6).standard_normal((12, model.cfg.n_embd)).astype(np.float32)
+
+    def run():
+        cache = make_layer_cache(model.cfg, 1)
+        first = attn.forward(mx.array(x[:7]), 0, cache)
+        return mx.concatenate([first, attn.forward(mx.array(x[7:]), 7, cache)])
+
+    assert _rel(_on(BACKEND, run), _on("fallback", run)) < 1e-2  # the projections' operands and products in f16
+
+
 @pytest.mark.slow
 def test_chunked_prefill_equals_one_shot_on_the_kernels(model):
     """Chunks of 13 and 29 tokens against one 42-token call, on the kernels: each token's grouped product sums K in
