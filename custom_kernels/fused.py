@@ -845,10 +845,13 @@ def qkv_rows(
             raise ValueError(f"qkv_rows: window needs one token and raw [>= {keep}, {D}], got T={T}, {tuple(raw.shape)}")
         raw = raw.astype(dtype)  # a no-op once the window is stored as dtype (a fresh cache starts f32)
         wparams, rows = _params(raw.shape[0], keep, kvo), keep + 1
+    # threadgroups a token (qkv_rows.body): the query heads' (a head a simdgroup) and the KV row's; a window's
+    # copy is shared by n_head + 1 of them
+    groups = n_head + 1 if window is not None else -(-n_head // (D // 32)) + 1
     return tuple(get_fused_kernel("qkv_rows", backend)(
         inputs=[qb, kv_in, norm, C, S, _f32(float(eps), q_scale), raw, wparams],
         template=[("HD", D), ("NH", n_head), ("NOPE", nope_fp8), ("F16R", int(f16r)), ("WIN", int(window is not None))],
-        grid=(T * (n_head + 1) * D, 1, 1),
+        grid=(T * groups * D, 1, 1),
         threadgroup=(D, 1, 1),
         output_shapes=[(T, n_head, D), (rows, D)],
         output_dtypes=[mx.float32, dtype],
