@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -897,9 +898,16 @@ def routes_for(flat: mx.array, n_expert: int, backend: str, bn: int | None = Non
 
 def mm_launch(backend: str) -> tuple[int, int]:
     """``mm``'s threads and weight rows a threadgroup: Metal multiplies 128-row tiles from threadgroup memory with 8
-    simdgroups; CUDA decodes into the tensor cores' registers, where 4 warps of 16 rows leave room for more
-    threadgroups a multiprocessor (mm.body)."""
-    return (256, 128) if backend == "metal" else (128, 64)
+    simdgroups; CUDA decodes into the tensor cores' registers, 16 rows a warp, ``DS_MM_WARPS`` warps (mm.body)."""
+    if backend == "metal":
+        return 256, 128
+    warps = _mm_warps()
+    return 32 * warps, 16 * warps
+
+
+@lru_cache(maxsize=None)
+def _mm_warps() -> int:
+    return int(re.search(r"#define DS_MM_WARPS (\d+)", (SOURCE_DIR / "mm.body").read_text()).group(1))
 
 
 def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Routes | None, epi: int, w2=None,
