@@ -11,9 +11,8 @@ reads the same bytes in the same order, so the results equal the resident model'
 
 The host has to know the chosen experts before it reads them, so a streamed MoE waits for its router: decode
 steps run op by op (not compiled), and reads do not overlap the device's work. A chunk whose tokens choose more
-experts than the cache holds runs in parts that fit (:meth:`ExpertCache.spans`, :meth:`ExpertCache.groups`); on a
-GPU a decode-sized call cut into parts runs the routed and shared experts as separate products, not in the resident
-model's fused launches, so its results can differ from the resident model's by rounding.
+experts than the cache holds runs in parts that fit (:meth:`ExpertCache.spans`, :meth:`ExpertCache.groups`); a
+decode-sized call cut into parts runs each part as the whole call, so its launches keep the resident model's shapes.
 """
 
 from __future__ import annotations
