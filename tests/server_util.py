@@ -29,7 +29,9 @@ def start_server(model: Path, *args: str, fake: bool = False, timeout: float = 9
 
     ``fake=True`` serves the same HTTP stack over :class:`FakeSession` (the GGUF gives only the tokenizer)."""
     port = free_port()
-    env = {**os.environ, "DS4_MLX_TEST_HOOKS": "1", "PYTHONPATH": str(ROOT)}
+    # the repository first, then whatever the caller's PYTHONPATH holds (MLX may be found only through it)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "DS4_MLX_TEST_HOOKS": "1", "PYTHONPATH": path}
     entry = ("from tests.server_util import serve_fake; serve_fake()" if fake
              else "from ds4_mlx.server.cli import main; main()")
     cmd = [sys.executable, "-c", entry, "-m", str(model), "--port", str(port), *args]
