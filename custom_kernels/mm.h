@@ -402,4 +402,24 @@ DS_FN void ds_mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 #endif
+
+// Four 8x8 f16 matrices from threadgroup memory into mma registers (PTX ldmatrix.m8n8.x4): lane 8 i + r gives the
+// address of row r of matrix i (16 bytes, 16-byte aligned); r[i] gets matrix i's two values at row lane / 4,
+// columns 2 (lane % 4), +1, or with _t (.trans) at rows 2 (lane % 4), +1, column lane / 4: B fragments of a
+// matrix stored by rows of K (ds_ldsm_x4) or by rows of N (ds_ldsm_x4_t).
+#if defined(DS_SIM)
+DS_FN void ds_ldsm_x4(uint32_t* r, const void* p) { ds_sim_ldmatrix_x4(r, p, false); }
+DS_FN void ds_ldsm_x4_t(uint32_t* r, const void* p) { ds_sim_ldmatrix_x4(r, p, true); }
+#else
+DS_FN void ds_ldsm_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((uint32_t)__cvta_generic_to_shared(p)));
+}
+DS_FN void ds_ldsm_x4_t(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((uint32_t)__cvta_generic_to_shared(p)));
+}
+#endif
 #endif

@@ -239,6 +239,21 @@ inline void mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a
   wait(AT_SYNCWARP);  // every lane has read before a later mma overwrites
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
+
+// PTX ldmatrix.m8n8.x4 (mm.h ds_ldsm_x4) across a warp: every lane posts its row address, then takes its two
+// 16-bit values of each of the four matrices from the rows the other lanes posted.
+inline void ldmatrix_x4(uint32_t* r, const void* p, bool trans) {
+  const int t = g->cur, w = t & ~31, l = t & 31;
+  g->slots[t] = (uint64_t)(uintptr_t)p;
+  wait(AT_SYNCWARP);  // every lane has posted
+  for (int i = 0; i < 4; ++i) {
+    auto row = [&](int j) { return (const uint16_t*)(uintptr_t)g->slots[w + 8 * i + j]; };
+    const uint16_t lo = trans ? row(2 * (l & 3))[l >> 2] : row(l >> 2)[2 * (l & 3)];
+    const uint16_t hi = trans ? row(2 * (l & 3) + 1)[l >> 2] : row(l >> 2)[2 * (l & 3) + 1];
+    r[i] = lo | ((uint32_t)hi << 16);
+  }
+  wait(AT_SYNCWARP);  // every lane has read before a later exchange overwrites
+}
 }  // namespace ds_sim
 
 #define threadIdx (::ds_sim::me().tid)
@@ -259,6 +274,7 @@ template <class T> inline T __shfl_sync(unsigned, T v, int src, int = 32) { retu
 // cp.async stand-ins (ds_prelude.h under DS_SIM): the copy happens at once; commit and wait do nothing.
 inline void ds_sim_copy8(void* dst, const void* src) { std::memcpy(dst, src, 8); }
 #define ds_sim_mma16816 ::ds_sim::mma16816
+#define ds_sim_ldmatrix_x4 ::ds_sim::ldmatrix_x4
 
 namespace nvcuda {
 namespace wmma {
