@@ -818,6 +818,16 @@ def route_tiles(flat: mx.array, n_expert: int, bn: int) -> tuple[mx.array, mx.ar
     return order, tiles
 
 
+def index_mm_launch(backend: str, T: int, H: int, N: int) -> tuple[tuple[int, int, int], int]:
+    """``index_mm``'s grid (256-thread threadgroups) and keys a threadgroup. Metal: 128 / H queries times 64 keys
+    a threadgroup. CUDA: 8 queries times a run of keys, a multiple of 64 near N / 8 within 256 .. 2048, so that a
+    chunk's queries reading their B registers once serve many keys and a short chunk still fills the GPU."""
+    if backend == "metal":
+        return (-(-N // 64) * 256, -(-T // (128 // H)), 1), 64
+    nk = min(2048, max(256, -(-N // 512) * 64))
+    return (-(-N // nk) * 256, -(-T // 8), 1), nk
+
+
 def index_scores_chunk(iq: mx.array, hw: mx.array, keys: mx.array, backend: str) -> mx.array:
     """The indexer's scores of a prefill chunk: ``y [T, N] = Σ_h hw[t, h] · relu(keys[c] · iq[t, h])`` for ``iq
     [T, H, 128]``, ``hw [T, H]`` (head weights times the scale), ``keys [N, 128]`` -> float32, in one launch
@@ -830,10 +840,11 @@ def index_scores_chunk(iq: mx.array, hw: mx.array, keys: mx.array, backend: str)
                          f"[T, H | 128, 128], [T, H], [N, 128]")  # fmt: skip
     iq, keys = (a if a.dtype == mx.bfloat16 else a.astype(mx.bfloat16) for a in (iq, keys))
     hw = hw if hw.dtype == mx.float32 else hw.astype(mx.float32)
+    grid, nk = index_mm_launch(backend, T, H, N)
     return get_kernel("index_mm", backend, False)(
-        inputs=[iq, hw, keys, _params(T, N)],
+        inputs=[iq, hw, keys, _params(T, N, nk)],
         template=[("H", H)],
-        grid=(-(-N // 64) * 256, -(-T // (128 // H)), 1),
+        grid=grid,
         threadgroup=(256, 1, 1),
         output_shapes=[(T, N)],
         output_dtypes=[mx.float32],

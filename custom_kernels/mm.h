@@ -391,12 +391,25 @@ DS_FN void ds_cp16(void* dst, const void* src, bool ok) {
 // d += A·B on the tensor cores (PTX mma.m16n8k16, f16 inputs, f32 accumulation), in PTX's fragment layout: lane
 // (g, t) = (lane / 4, lane % 4) holds A's rows g, g + 8 at K positions 2t, 2t + 1 (a0: row g, a1: row g + 8) and
 // 2t + 8, 2t + 9 (a2, a3), B's column g at the same K positions (b0, b1), d's rows g, g + 8 at columns 2t, 2t + 1.
+// ds_mma16816_bf16: the same with bf16 inputs.
 #if defined(DS_SIM)
-#define ds_mma16816 ds_sim_mma16816
+DS_FN void ds_mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  ds_sim_mma16816(d, a0, a1, a2, a3, b0, b1, false);
+}
+DS_FN void ds_mma16816_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  ds_sim_mma16816(d, a0, a1, a2, a3, b0, b1, true);
+}
 #else
 DS_FN void ds_mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+DS_FN void ds_mma16816_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));

@@ -216,18 +216,21 @@ template <class T> inline T shuffle(T v, int src_lane) {
   return r;
 }
 
-// PTX mma.m16n8k16 (f16 inputs, f32 accumulation) across a warp, in PTX's fragment layout (mm.h ds_mma16816):
-// every lane posts its A and B registers, then computes its own 4 outputs from all of them, the products exact
-// and summed in double (the tensor cores' order of summation is their own).
-inline void mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+// PTX mma.m16n8k16 (f16 or bf16 inputs, f32 accumulation) across a warp, in PTX's fragment layout (mm.h
+// ds_mma16816): every lane posts its A and B registers, then computes its own 4 outputs from all of them, the
+// products exact and summed in double (the tensor cores' order of summation is their own).
+inline double ds_sim_bf(uint32_t w, int i) { return (double)ds_sim_bits<float>((w >> (16 * i)) << 16); }
+inline void mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
+                     bool bf16) {
+  auto h = bf16 ? ds_sim_bf : ds_sim_h;
   const int t = g->cur, w = t & ~31, gid = (t & 31) >> 2, tq = t & 3;
   g->frags[t] = {a0, a1, a2, a3, b0, b1};
   wait(AT_SYNCWARP);  // every lane has posted
   auto a_at = [&](int r, int k) {  // A[r][k]: lane (r % 8)·4 + (k % 8) / 2, register (r ≥ 8) + 2·(k ≥ 8)
-    return ds_sim_h(g->frags[w + 4 * (r & 7) + ((k & 7) >> 1)][(r >> 3) + 2 * (k >> 3)], k & 1);
+    return h(g->frags[w + 4 * (r & 7) + ((k & 7) >> 1)][(r >> 3) + 2 * (k >> 3)], k & 1);
   };
   auto b_at = [&](int k, int n) {  // B[k][n]: lane 4n + (k % 8) / 2, register k ≥ 8
-    return ds_sim_h(g->frags[w + 4 * n + ((k & 7) >> 1)][4 + (k >> 3)], k & 1);
+    return h(g->frags[w + 4 * n + ((k & 7) >> 1)][4 + (k >> 3)], k & 1);
   };
   float out[4];
   for (int i = 0; i < 4; ++i) {

@@ -364,7 +364,7 @@ def test_attention_chunk(D, H, T, keep, W, pos, ratio, k, listed):
 
 
 @needs_gpu
-@pytest.mark.parametrize("H,T,N", [(64, 5, 70), (16, 9, 130)])  # partial query and key tiles
+@pytest.mark.parametrize("H,T,N", [(64, 5, 70), (16, 9, 130), (16, 3, 600)])  # partial tiles; keys in 3 runs
 def test_index_scores_chunk(H, T, N):
     """index_mm: Σ_h hw·relu(keys·iq) over bf16-exact inputs equals the float64 sums up to summation order; the
     inputs may come as f32 (converted, exactly) or bf16."""
