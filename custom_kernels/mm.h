@@ -400,39 +400,32 @@ DS_FN void ds_mma16816_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uin
   ds_sim_mma16816(d, a0, a1, a2, a3, b0, b1, true);
 }
 #else
-DS_FN void ds_mma16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-DS_FN void ds_mma16816_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#define DS_MMA16816(name, ab)                                                                                   \
+  DS_FN void name(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {    \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." ab "." ab ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+                 "{%8, %9}, {%0, %1, %2, %3};"                                                                  \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                               \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                                       \
+  }
+DS_MMA16816(ds_mma16816, "f16")
+DS_MMA16816(ds_mma16816_bf16, "bf16")
 #endif
 
-// Four 8x8 f16 matrices from threadgroup memory into mma registers (PTX ldmatrix.m8n8.x4): lane 8 i + r gives the
-// address of row r of matrix i (16 bytes, 16-byte aligned); r[i] gets matrix i's two values at row lane / 4,
-// columns 2 (lane % 4), +1, or with _t (.trans) at rows 2 (lane % 4), +1, column lane / 4: B fragments of a
-// matrix stored by rows of K (ds_ldsm_x4) or by rows of N (ds_ldsm_x4_t).
+// Four 8x8 16-bit matrices from threadgroup memory into mma registers (PTX ldmatrix.m8n8.x4): lane 8 i + r gives
+// the address of row r of matrix i (16 bytes, 16-byte aligned); r[i] gets matrix i's two values at row lane / 4,
+// columns 2 (lane % 4), +1 (as an A fragment's row or a B fragment's column holds them), or with _t (.trans) the
+// two at rows 2 (lane % 4), +1 of column lane / 4 (a B fragment of a matrix stored by rows of N).
 #if defined(DS_SIM)
 DS_FN void ds_ldsm_x4(uint32_t* r, const void* p) { ds_sim_ldmatrix_x4(r, p, false); }
 DS_FN void ds_ldsm_x4_t(uint32_t* r, const void* p) { ds_sim_ldmatrix_x4(r, p, true); }
 #else
-DS_FN void ds_ldsm_x4(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((uint32_t)__cvta_generic_to_shared(p)));
-}
-DS_FN void ds_ldsm_x4_t(uint32_t* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((uint32_t)__cvta_generic_to_shared(p)));
-}
+#define DS_LDSM_X4(name, trans)                                                             \
+  DS_FN void name(uint32_t* r, const void* p) {                                             \
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4" trans ".shared.b16 {%0, %1, %2, %3}, [%4];" \
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                           \
+                 : "r"((uint32_t)__cvta_generic_to_shared(p)));                             \
+  }
+DS_LDSM_X4(ds_ldsm_x4, "")
+DS_LDSM_X4(ds_ldsm_x4_t, ".trans")
 #endif
 #endif
