@@ -165,9 +165,9 @@ INPUTS = {
 }
 #: Kernels whose helpers live in another kind's header (``<kind>.h``).
 HEADER_OF = {"deq": "mm", "index_mm": "mm", "attn_chunk": "mm"}
-#: Heads a threadgroup of attn_chunk takes on Metal and on CUDA (attn_chunk.body); the head dims it is built for
-#: (multiples of 128).
-ATTN_CHUNK_HG = {"metal": 16, "cuda": 32}
+#: Heads a threadgroup of attn_chunk takes (on CUDA 32, with 8 warps, ran 2-3 % slower on an H100: fewer
+#: threadgroups share a multiprocessor); the head dims it is built for (multiples of 128).
+ATTN_CHUNK_HG = 16
 ATTN_CHUNK_DIMS = (128, 512)
 #: Indexer head counts the chunk's index-score kernel is built for (any H dividing 128 works).
 INDEX_MM_HEADS = (16, 64)
@@ -451,17 +451,14 @@ def deq_template(qtype: QT, f16: bool = False) -> tuple:
     return (("QT", int(qtype)), ("H", bool(f16)))
 
 
-def attn_chunk_template(heads: int, head_dim: int, indexed: bool) -> tuple:
-    return (("HG", heads), ("D", head_dim), ("IDX", bool(indexed)))
+def attn_chunk_template(head_dim: int, indexed: bool) -> tuple:
+    return (("HG", ATTN_CHUNK_HG), ("D", head_dim), ("IDX", bool(indexed)))
 
 
-def attn_chunk_launch(backend: str) -> tuple[int, int]:
-    """``attn_chunk``'s heads and threads a threadgroup: Metal's 8 simdgroups split the dims of 16 heads; CUDA
+def attn_chunk_threads(backend: str) -> int:
+    """``attn_chunk``'s threads a threadgroup: Metal's 8 simdgroups split the dims of the ATTN_CHUNK_HG heads; CUDA
     gives each 16 heads 4 warps, a quarter of the dims each."""
-    if backend == "metal":
-        return ATTN_CHUNK_HG["metal"], 256
-    heads = ATTN_CHUNK_HG["cuda"]
-    return heads, heads // 16 * 4 * 32
+    return 256 if backend == "metal" else ATTN_CHUNK_HG // 16 * 128
 
 
 def instantiations() -> list[Instantiation]:
@@ -488,8 +485,9 @@ def instantiations() -> list[Instantiation]:
             out.append(Instantiation("deq", deq_template(qt, f16)))
     for h in INDEX_MM_HEADS:
         out.append(Instantiation("index_mm", (("H", h),)))
-    for hg, d, idx in itertools.product(sorted(set(ATTN_CHUNK_HG.values())), ATTN_CHUNK_DIMS, (False, True)):
-        out.append(Instantiation("attn_chunk", attn_chunk_template(hg, d, idx)))
+    for d in ATTN_CHUNK_DIMS:
+        for idx in (False, True):
+            out.append(Instantiation("attn_chunk", attn_chunk_template(d, idx)))
     for epi, reg in MV_REG.items():
         for qt, gather, xq in itertools.product(reg.types, reg.gathers, reg.xqs):
             for sh in (None, MV_SHARED_TYPE) if epi in (MV_SWIGLU, MV_SUM) else (None,):
@@ -861,8 +859,8 @@ def attention_chunk(
     ``min(visible, top_k)`` listed), the per-head sink logit in the softmax, then the inverse RoPE with the
     tokens' tables ``C, S [T, D]``. Returns the output as the grouped output product reads it: :class:`Scaled16`
     ``[G, T, H/G * D]``, group g holding heads g*H/G .. of each token. Keys are read as f16 (the ds4 profile
-    stores them f16-rounded). A head count that is not a multiple of the threadgroup's heads
-    (:func:`attn_chunk_launch`) runs padded with zero heads (the tiny test models' 4)."""
+    stores them f16-rounded). A head count that is not a multiple of ATTN_CHUNK_HG runs padded with zero heads
+    (the tiny test models' 4)."""
     T, H, D = q.shape
     if D not in ATTN_CHUNK_DIMS or raw.shape[1] != D or sinks.shape != (H,) or groups < 1 or H % groups:
         raise ValueError(f"attention_chunk: q {q.shape}, raw {raw.shape}, sinks {sinks.shape}, {groups} groups do "
@@ -876,8 +874,7 @@ def attention_chunk(
         raise ValueError(f"attention_chunk: idx {idx.shape}, expected [{T}, {top_k}] with a ratio")
     f16 = [a if a.dtype == mx.float16 else a.astype(mx.float16) for a in (raw, raw if comp is None else comp)]
     q, sinks = q.astype(mx.float32), sinks.astype(mx.float32)
-    HG, threads = attn_chunk_launch(backend)
-    Hp = -(-H // HG) * HG
+    Hp = -(-H // ATTN_CHUNK_HG) * ATTN_CHUNK_HG
     if Hp != H:
         q, sinks = mx.pad(q, [(0, 0), (0, Hp - H), (0, 0)]), mx.pad(sinks, [(0, Hp - H)])
     C, S = (a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (C, S))
@@ -885,9 +882,9 @@ def attention_chunk(
         inputs=[q, *f16, _dummy() if idx is None else _pad_ids(idx, backend), sinks, C, S,
                 _params(T, Hp, keep, window, pos, ratio, top_k, _f32_bits(scale)),
                 _params(H, H // groups, _f32_bits(F16_PRODUCT_SCALE))],
-        template=list(attn_chunk_template(HG, D, idx is not None)),
-        grid=(Hp // HG * threads, T, 1),
-        threadgroup=(threads, 1, 1),
+        template=list(attn_chunk_template(D, idx is not None)),
+        grid=(Hp // ATTN_CHUNK_HG * attn_chunk_threads(backend), T, 1),
+        threadgroup=(attn_chunk_threads(backend), 1, 1),
         output_shapes=[(groups, T, H // groups * D)],
         output_dtypes=[mx.float16],
     )[0])  # fmt: skip
