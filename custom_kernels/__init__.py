@@ -874,7 +874,7 @@ def attention_chunk(
         raise ValueError(f"attention_chunk: idx {idx.shape}, expected [{T}, {top_k}] with a ratio")
     f16 = [a if a.dtype == mx.float16 else a.astype(mx.float16) for a in (raw, raw if comp is None else comp)]
     q, sinks = q.astype(mx.float32), sinks.astype(mx.float32)
-    Hp = -(-H // ATTN_CHUNK_HG) * ATTN_CHUNK_HG
+    Hp, threads = -(-H // ATTN_CHUNK_HG) * ATTN_CHUNK_HG, attn_chunk_threads(backend)
     if Hp != H:
         q, sinks = mx.pad(q, [(0, 0), (0, Hp - H), (0, 0)]), mx.pad(sinks, [(0, Hp - H)])
     C, S = (a if a.dtype == mx.float32 else a.astype(mx.float32) for a in (C, S))
@@ -883,8 +883,8 @@ def attention_chunk(
                 _params(T, Hp, keep, window, pos, ratio, top_k, _f32_bits(scale)),
                 _params(H, H // groups, _f32_bits(F16_PRODUCT_SCALE))],
         template=list(attn_chunk_template(D, idx is not None)),
-        grid=(Hp // ATTN_CHUNK_HG * attn_chunk_threads(backend), T, 1),
-        threadgroup=(attn_chunk_threads(backend), 1, 1),
+        grid=(Hp // ATTN_CHUNK_HG * threads, T, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(groups, T, H // groups * D)],
         output_dtypes=[mx.float16],
     )[0])  # fmt: skip
@@ -925,7 +925,7 @@ def mm_launch(backend: str) -> tuple[int, int]:
 
 @lru_cache(maxsize=None)
 def _mm_warps() -> int:
-    return int(re.search(r"#define DS_MM_WARPS (\d+)", (SOURCE_DIR / "mm.body").read_text()).group(1))
+    return int(re.search(r"#define DS_MM_WARPS (\d+)", _read("mm.body")).group(1))
 
 
 def _mm(qw, x2: mx.array, flat: mx.array, k_slots: int, backend: str, routes: Routes | None, epi: int, w2=None,
