@@ -17,7 +17,9 @@ pattern at the tiny widths) gives the host a full step's work and the device alm
 costs only; ``full`` compares whole steps, the device's part included.
 
 ``--measure prefill`` times instead a fresh session's prefill of ``--prefill`` tokens each round (the same
-prompt for both versions), through the package's own ``Session.prefill``.
+prompt for both versions), through the package's own ``Session.prefill``. ``--batch B`` (B > 1) times instead
+batched decode steps of B sessions, each prefilled with its own ``--prefill`` tokens (``session.step_batch``, each
+session greedy on its own logits, read on the host every step as ``benchmarks/batched.py`` does): ms a step.
 
 Reported: each round's ms/token per version, the mean of each, and the paired ratios (this / other) of the
 rounds, with how many favour this tree.
@@ -63,10 +65,12 @@ def import_other(tree: Path, into: Path) -> str:
     return OTHER_NAME
 
 
-def version(pkg: str, cfg, weights: dict, prefill: int, reserve: int, seed: int = 0) -> SimpleNamespace:
+def version(pkg: str, cfg, weights: dict, prefill: int, reserve: int, seed: int = 0, batch: int = 1
+            ) -> SimpleNamespace:  # fmt: skip
     """One version's model and session at ``cfg`` (this tree's config) over ``weights`` (this tree's random
-    weights, rewrapped in the version's own weight class: the arrays are shared), prefilled and warmed. The
-    session's buffers are sized for ``reserve`` tokens, as ``generate`` sizes them: none grows while timed."""
+    weights, rewrapped in the version's own weight class: the arrays are shared), prefilled and warmed (``batch``
+    > 1: that many sessions of their own prompts, warmed by batched steps). The sessions' buffers are sized for
+    ``reserve`` tokens, as ``generate`` sizes them: none grows while timed."""
     mod = {m: importlib.import_module(f"{pkg}.{m}") for m in ("config", "generate", "sampling", "session", "weights")}
     model_mod = importlib.import_module(f"{pkg}.model.model")
     cfg = mod["config"].ModelConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})
@@ -76,8 +80,11 @@ def version(pkg: str, cfg, weights: dict, prefill: int, reserve: int, seed: int 
     prompt = [0] + np.random.default_rng(seed).integers(2, cfg.n_vocab, prefill - 1).tolist()
     sess = mod["session"].Session(model, reserve=reserve)
     sess.prefill(prompt)
-    v = SimpleNamespace(name=pkg, sess=sess, mod=mod, model=model, prompt=prompt, ms=[])
-    run(v, max(cfg.compress_ratios) + 1)  # warm-up: every kind of step, JIT included
+    v = SimpleNamespace(name=pkg, sess=sess, mod=mod, model=model, prompt=prompt, ms=[], batch=[sess])
+    for b in range(1, batch):
+        v.batch.append(mod["session"].Session(model, reserve=reserve))
+        v.batch[-1].prefill([0] + np.random.default_rng(seed + b).integers(2, cfg.n_vocab, prefill - 1).tolist())
+    (run if batch == 1 else run_batched)(v, max(cfg.compress_ratios) + 1)  # warm-up: every kind of step, JIT
     return v
 
 
@@ -99,6 +106,14 @@ def run(v: SimpleNamespace, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def run_batched(v: SimpleNamespace, n: int) -> float:
+    """ms a step of ``n`` batched steps of the version's sessions, each greedy on its own logits."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        v.mod["session"].step_batch(v.batch, [int(mx.argmax(s.logits).item()) for s in v.batch])
+    return (time.perf_counter() - t0) / n * 1e3
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("other", type=Path, help="folder with the other version's ds4_mlx/ and custom_kernels/")
@@ -108,11 +123,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--measure", choices=("decode", "prefill"), default="decode")
+    ap.add_argument("--batch", type=int, default=1, help="decode: batched steps of this many sessions (ms a step)")
     ap.add_argument("--seconds", type=float, default=None, help="start no round after this long (set-up excluded)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.batch < 1 or (args.batch > 1 and args.measure != "decode"):
+        ap.error("--batch takes a count of at least 1, with --measure decode")
 
     from ds4_mlx.random_model import shape_config
 
@@ -121,15 +139,17 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = narrow_config(args.layers or 43) if args.shape == "narrow" else shape_config(args.shape, args.layers)
         weights = random_weights(cfg, "q2", 0)
         reserve = args.prefill + max(cfg.compress_ratios) + 1 + args.rounds * (args.decode + 1)
-        this = version("ds4_mlx", cfg, weights, args.prefill, reserve)
-        other = version(other_pkg, cfg, weights, args.prefill, reserve)
+        this = version("ds4_mlx", cfg, weights, args.prefill, reserve, batch=args.batch)
+        other = version(other_pkg, cfg, weights, args.prefill, reserve, batch=args.batch)
+        timed = run_prefill if args.measure == "prefill" else run if args.batch == 1 else run_batched
         t_start = time.perf_counter()
         for rnd in range(args.rounds):
             if args.seconds and time.perf_counter() - t_start > args.seconds:
                 break
             for v in (this, other) if rnd % 2 == 0 else (other, this):
-                v.ms.append(round(run_prefill(v) if args.measure == "prefill" else run(v, args.decode), 4))
-            print(f"round {rnd}: this {this.ms[-1]:8.3f}  other {other.ms[-1]:8.3f} ms/token", flush=True)
+                v.ms.append(round(timed(v) if args.measure == "prefill" else timed(v, args.decode), 4))
+            unit = "ms/token" if args.batch == 1 else "ms/step"
+            print(f"round {rnd}: this {this.ms[-1]:8.3f}  other {other.ms[-1]:8.3f} {unit}", flush=True)
             res = summary(this.ms, other.ms)
             if args.json:  # every round: a crash or a device call's time limit loses nothing
                 args.json.write_text(json.dumps(res, indent=1))

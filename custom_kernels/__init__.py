@@ -138,6 +138,10 @@ MV_REG = {
 }
 #: Rows of at most this many weights: one simdgroup a row group (a thread has few units of a row to load).
 MV_REG_SHORT_K = 1024
+#: Rows of y a threadgroup of mv_reg.body writes from one decoding of the weights (its XB): a dense launch's
+#: tokens, or the SwiGLU launch's shared pairs. A batched decode step of B sessions takes the smallest that holds
+#: B (up to MV_MAX_TOKENS), so each weight is decoded once a step instead of B times.
+MV_REG_XB = (1, 2, 4, 8)
 
 
 def reg_direct(qw, backend: str | None, epi: int, gather: bool, xq: bool = False, shared_qt: QT | None = None) -> bool:
@@ -153,6 +157,17 @@ def reg_config(epi: int, n_in: int) -> tuple[int, int, int]:
     """mv_reg.body's default (NR, NSG, RG) for rows of ``n_in`` weights."""
     nr, nsg, rg = MV_REG[epi].config
     return (nr, 1, rg) if n_in <= MV_REG_SHORT_K else (nr, nsg, rg)
+
+
+def reg_xb(n_rows: int) -> int:
+    """mv_reg.body's XB for ``n_rows`` rows of y that read the same weight: the smallest of MV_REG_XB that
+    holds them, else the largest."""
+    return next((xb for xb in MV_REG_XB if xb >= n_rows), MV_REG_XB[-1])
+
+
+def reg_xbs(epi: int, gather: bool, shared: bool) -> tuple[int, ...]:
+    """The XBs mv_reg.body takes for a launch: dense ones and the SwiGLU with the shared pairs group rows of y."""
+    return MV_REG_XB if not gather or (epi == MV_SWIGLU and shared) else (1,)
 
 
 INPUTS = {
@@ -433,14 +448,15 @@ def mv_template(
 
 def mv_reg_template(
     qtype: QT, nr: int, nsg: int, rg: int, gather: bool, epi: int, shared_qt: QT | None = None,
-    xq: bool | None = None, qy: bool = False,
+    xq: bool | None = None, qy: bool = False, xb: int = 1,
 ) -> tuple:  # fmt: skip
     """mv_reg.body's template: the weight type, the launch shape, the epilogue, the shared expert's type, x
-    quantized (default: the SwiGLU epilogue's, which always reads it so), y quantized (``mv`` ``quantize_y``)."""
+    quantized (default: the SwiGLU epilogue's, which always reads it so), y quantized (``mv`` ``quantize_y``),
+    the rows of y a threadgroup writes from one decoding of the weights (:func:`reg_xb`)."""
     xq = epi == MV_SWIGLU if xq is None else xq
     return (("QT", int(qtype)), ("NR", nr), ("NSG", nsg), ("RG", rg), ("GATHER", bool(gather)), ("EPI", epi),
             ("SH", shared_qt is not None), ("SQT", int(qtype if shared_qt is None else shared_qt)), ("XQ", bool(xq)),
-            ("QY", bool(qy)))  # fmt: skip
+            ("QY", bool(qy)), ("XB", xb))  # fmt: skip
 
 
 def mm_template(qtype: QT, bn: int, epi: int = MM_PLAIN) -> tuple:
@@ -493,7 +509,9 @@ def instantiations() -> list[Instantiation]:
             for sh in (None, MV_SHARED_TYPE) if epi in (MV_SWIGLU, MV_SUM) else (None,):
                 for qy in (False, True) if epi == MV_SWIGLU and sh is not None else (False,):  # the model's gate+up
                     for config in {reg_config(epi, n) for n in (MV_REG_SHORT_K, 2 * MV_REG_SHORT_K)}:
-                        out.append(Instantiation("mv_reg", mv_reg_template(qt, *config, gather, epi, sh, xq, qy)))
+                        for xb in reg_xbs(epi, gather, sh is not None):
+                            template = mv_reg_template(qt, *config, gather, epi, sh, xq, qy, xb)
+                            out.append(Instantiation("mv_reg", template))
     return out
 
 
@@ -705,8 +723,12 @@ def _mv_plan(
         if quantize_y and (epi != MV_SWIGLU or nr * rg != 8 or n_out % 8):
             raise ValueError(f"mv: quantize_y needs the SwiGLU epilogue at NR·RG = 8 rows and out % 8 == 0, not "
                              f"{epi}, ({nr}, {nsg}, {rg}), out {n_out}")  # fmt: skip
-        template = list(mv_reg_template(qw.qtype, nr, nsg, rg, gather, epi, shared_qt, xq, quantize_y))
-        grid = (-(-n_out // (nr * rg)) * 32 * nsg, 1, rows)
+        # Rows of y that read one weight, grouped XB to a threadgroup: a dense launch's tokens, the shared pairs.
+        grouped = P if not gather else P // k_slots if shared_qt is not None and epi == MV_SWIGLU else 0
+        xb = reg_xb(grouped)
+        z = rows - grouped + -(-grouped // xb)
+        template = list(mv_reg_template(qw.qtype, nr, nsg, rg, gather, epi, shared_qt, xq, quantize_y, xb))
+        grid = (-(-n_out // (nr * rg)) * 32 * nsg, 1, z)
         return "mv_reg", wb, params, template, grid, (32 * nsg, 1, 1), (rows, 5 * n_out // 8 if quantize_y else n_out)
     if quantize_y:
         raise ValueError("mv: quantize_y is a launch of mv_reg.body's")

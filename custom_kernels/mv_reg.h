@@ -95,10 +95,11 @@ DS_FN float4 ds_reg_x4(const DS_DEV float* xr, const DS_DEV float* nw, uint32_t 
 // of a pass cover 8 whole units, 272 contiguous bytes of each row and 1 KB of x. (A whole unit a thread reads x
 // 128 bytes apart from lane to lane, 32 cache lines a load.) The quarter's 8 bytes start 2-byte aligned: read as
 // the aligned words that hold them (a third word only where they straddle it) and shifted into place.
-template <int NR, int NW, bool RMS>
+template <int NR, int NW, bool RMS, int XB>
 DS_FN void ds_reg_rows_q8(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0,
                           uint32_t n_out, uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr,
-                          const DS_DEV float* nw, DS_THR float* acc, DS_THR float& ssq) {
+                          uint32_t x_pitch, uint32_t nb, const DS_DEV float* nw, DS_THR float* acc,
+                          DS_THR float* ssq) {
   for (uint32_t qi = tid; qi < n_in / 8; qi += tpb) {
     const uint32_t blk = 34u * (qi >> 2), off = blk + 2u + 8u * (qi & 3u);
     const uint32_t mis = off & 2u;  // rows start 4-byte aligned (row bytes a multiple of 68: K % 64 == 0)
@@ -114,17 +115,22 @@ DS_FN void ds_reg_rows_q8(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, ui
       hi[r] = mis ? (w1 >> 16) | (w2 << 16) : w1;
       d[r] = DS_F16_BITS(*((const DS_DEV uint16_t*)(p + blk)));
     }
-    const float4 t0 = ds_reg_x4<RMS>(xr + 8u * qi, nw + 8u * qi, 0u, ssq);
-    const float4 t1 = ds_reg_x4<RMS>(xr + 8u * qi, nw + 8u * qi, 1u, ssq);
-    const float x[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
 #pragma unroll
-    for (int r = 0; r < NW * NR; ++r) {
-      float s = 0.0f;
+    for (int b = 0; b < XB; ++b) {
+      if ((uint32_t)b >= nb) break;
+      const DS_DEV float* xb = xr + (uint64_t)b * x_pitch + 8u * qi;
+      const float4 t0 = ds_reg_x4<RMS>(xb, nw + 8u * qi, 0u, ssq[b]);
+      const float4 t1 = ds_reg_x4<RMS>(xb, nw + 8u * qi, 1u, ssq[b]);
+      const float x[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8x_f(lo[r] ^ 0x80808080u, j), x[j], s);
+      for (int r = 0; r < NW * NR; ++r) {
+        float s = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8x_f(hi[r] ^ 0x80808080u, j), x[4 + j], s);
-      acc[r] = DS_FMA(d[r], s, acc[r]);
+        for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8x_f(lo[r] ^ 0x80808080u, j), x[j], s);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) s = DS_FMA(ds_s8x_f(hi[r] ^ 0x80808080u, j), x[4 + j], s);
+        acc[b * NW * NR + r] = DS_FMA(d[r], s, acc[b * NW * NR + r]);
+      }
     }
   }
 }
@@ -134,10 +140,10 @@ DS_FN void ds_reg_rows_q8(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, ui
 // plane bytes, the half's 8 scale bytes and the block's (d, dmin) word for 32 weights, and x in four 8-float chunks
 // 32 floats apart (XQ: x's octets 4 apart, dotted in integers); the 8 threads of a block cover its 84 bytes. (A
 // quarter unit a thread, 8 weights for 4 loads, ran slower than mv.body on the H200.)
-template <int NR, int NW, bool XQ>
+template <int NR, int NW, bool XQ, int XB>
 DS_FN void ds_reg_rows_q2k(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0,
                            uint32_t n_out, uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr,
-                           DS_THR float* acc) {
+                           uint32_t x_pitch, uint32_t nb, DS_THR float* acc) {
   for (uint32_t g = tid; g < n_in / 32; g += tpb) {
     const uint32_t h = (g >> 2) & 1u, p = g & 3u, blk = 84u * (g >> 3);
     uint32_t q[NW * NR][2], sc[NW * NR][2], dm[NW * NR];
@@ -151,52 +157,62 @@ DS_FN void ds_reg_rows_q2k(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, u
       sc[k][0] = sw[0]; sc[k][1] = sw[1];
       dm[k] = *((const DS_DEV uint32_t*)(b + 80));
     }
-    const DS_DEV float* xg = xr + 256u * (g >> 3) + 128u * h + 8u * p;  // plane j's chunk: xg + 32j
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float x[8], xs, xd = 0.0f;  // XQ: x ≈ 128·xd·(q + r/128) over the octet
-      uint32_t xw[4];             // XQ: the octet's q words, then its r words
-      if (XQ) {  // x's octet of plane j
-        ds_xq_load(xr, n_in, 32u * (g >> 3) + 16u * h + 4u * j + p, xw, xd, xs);
-        xd *= 1.0f / 128.0f;
-      } else {
-        const float4 t0 = ((const DS_DEV float4*)(xg + 32 * j))[0], t1 = ((const DS_DEV float4*)(xg + 32 * j))[1];
-        x[0] = t0.x; x[1] = t0.y; x[2] = t0.z; x[3] = t0.w; x[4] = t1.x; x[5] = t1.y; x[6] = t1.z; x[7] = t1.w;
-        xs = ((t0.x + t0.y) + (t0.z + t0.w)) + ((t1.x + t1.y) + (t1.z + t1.w));
-      }
+    for (int b = 0; b < XB; ++b) {
+      if ((uint32_t)b >= nb) break;
+      const DS_DEV float* xrb = xr + (uint64_t)b * x_pitch;
+      const DS_DEV float* xg = xrb + 256u * (g >> 3) + 128u * h + 8u * p;  // plane j's chunk: xg + 32j
 #pragma unroll
-      for (int k = 0; k < NW * NR; ++k) {
-        const uint32_t lo = (q[k][0] >> (2 * j)) & 0x03030303u, hi = (q[k][1] >> (2 * j)) & 0x03030303u;
-        const uint32_t s8 = (sc[k][j >> 1] >> (8 * (2 * (j & 1) + (p >> 1)))) & 255u;  // scale 2j + p / 2 of the half
-        float s = 0.0f;
-        if (XQ) {
-          s = xd * (float)(128 * ds_dp4a(lo, xw[0], ds_dp4a(hi, xw[1], 0)) + ds_dp4a(lo, xw[2], ds_dp4a(hi, xw[3], 0)));
+      for (int j = 0; j < 4; ++j) {
+        float x[8], xs, xd = 0.0f;  // XQ: x ≈ 128·xd·(q + r/128) over the octet
+        uint32_t xw[4];             // XQ: the octet's q words, then its r words
+        if (XQ) {  // x's octet of plane j
+          ds_xq_load(xrb, n_in, 32u * (g >> 3) + 16u * h + 4u * j + p, xw, xd, xs);
+          xd *= 1.0f / 128.0f;
         } else {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) s = DS_FMA(ds_byte_f(lo, i), x[i], s);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) s = DS_FMA(ds_byte_f(hi, i), x[4 + i], s);
+          const float4 t0 = ((const DS_DEV float4*)(xg + 32 * j))[0], t1 = ((const DS_DEV float4*)(xg + 32 * j))[1];
+          x[0] = t0.x; x[1] = t0.y; x[2] = t0.z; x[3] = t0.w; x[4] = t1.x; x[5] = t1.y; x[6] = t1.z; x[7] = t1.w;
+          xs = ((t0.x + t0.y) + (t0.z + t0.w)) + ((t1.x + t1.y) + (t1.z + t1.w));
         }
-        acc[k] += DS_F16_BITS(dm[k] & 0xffffu) * float(s8 & 15u) * s - DS_F16_BITS(dm[k] >> 16) * float(s8 >> 4) * xs;
+#pragma unroll
+        for (int k = 0; k < NW * NR; ++k) {
+          const uint32_t lo = (q[k][0] >> (2 * j)) & 0x03030303u, hi = (q[k][1] >> (2 * j)) & 0x03030303u;
+          // scale 2j + p / 2 of the half
+          const uint32_t s8 = (sc[k][j >> 1] >> (8 * (2 * (j & 1) + (p >> 1)))) & 255u;
+          float s = 0.0f;
+          if (XQ) {
+            s = xd * (float)(128 * ds_dp4a(lo, xw[0], ds_dp4a(hi, xw[1], 0))
+                             + ds_dp4a(lo, xw[2], ds_dp4a(hi, xw[3], 0)));
+          } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s = DS_FMA(ds_byte_f(lo, i), x[i], s);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s = DS_FMA(ds_byte_f(hi, i), x[4 + i], s);
+          }
+          acc[b * NW * NR + k] +=
+              DS_F16_BITS(dm[k] & 0xffffu) * float(s8 & 15u) * s - DS_F16_BITS(dm[k] >> 16) * float(s8 >> 4) * xs;
+        }
       }
     }
   }
 }
 
-// One pair's rows: acc[r] (r < NR: rows r0 + r of wa; then, NW == 2, of wb) += the row's dot with x (row xr:
-// quantized if XQ, else f32; RMS: times the norm weight nw, with Σx² into ssq) over the units this thread takes
-// (tid, tid + tpb, ...; Q8_0 with x in f32: quarter units, ds_reg_rows_q8; Q2_K: plane groups, ds_reg_rows_q2k).
-// Rows past n_out read row n_out - 1 (unused).
-template <int QX, int NR, int NW, bool XQ, bool RMS>
+// One weight's rows against nb ≤ XB rows of x: acc[b·NW·NR + r] (r < NR: rows r0 + r of wa; then, NW == 2, of
+// wb) += the row's dot with x row b (xr + b·x_pitch: quantized if XQ, else f32; RMS: times the norm weight nw,
+// with Σx² into ssq[b]) over the units this thread takes (tid, tid + tpb, ...; Q8_0 with x in f32: quarter units,
+// ds_reg_rows_q8; Q2_K: plane groups, ds_reg_rows_q2k). Each unit's bytes are loaded and decoded once for all nb
+// rows of x. Rows past n_out read row n_out - 1 (unused).
+template <int QX, int NR, int NW, bool XQ, bool RMS, int XB>
 DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint32_t rb, uint32_t r0, uint32_t n_out,
-                       uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr, const DS_DEV float* nw,
-                       const DS_TG uint32_t* tabs, DS_THR float* acc, DS_THR float& ssq) {
+                       uint32_t n_in, uint32_t tid, uint32_t tpb, const DS_DEV float* xr, uint32_t x_pitch,
+                       uint32_t nb, const DS_DEV float* nw, const DS_TG uint32_t* tabs, DS_THR float* acc,
+                       DS_THR float* ssq) {
   if (QX == DS_Q8_0 && !XQ) {
-    ds_reg_rows_q8<NR, NW, RMS>(wa, wb, rb, r0, n_out, n_in, tid, tpb, xr, nw, acc, ssq);
+    ds_reg_rows_q8<NR, NW, RMS, XB>(wa, wb, rb, r0, n_out, n_in, tid, tpb, xr, x_pitch, nb, nw, acc, ssq);
     return;
   }
   if (QX == DS_Q2_K) {  // (MV_RMS takes no Q2_K)
-    ds_reg_rows_q2k<NR, NW, XQ>(wa, wb, rb, r0, n_out, n_in, tid, tpb, xr, acc);
+    ds_reg_rows_q2k<NR, NW, XQ, XB>(wa, wb, rb, r0, n_out, n_in, tid, tpb, xr, x_pitch, nb, acc);
     return;
   }
   for (uint32_t u = tid; u < n_in / 32; u += tpb) {
@@ -206,25 +222,31 @@ DS_FN void ds_reg_rows(const DS_DEV uint8_t* wa, const DS_DEV uint8_t* wb, uint3
       const uint32_t row = r0 + (r % NR) < n_out ? r0 + (r % NR) : n_out - 1;
       ds_reg_unit_load(QX, (r < NR ? wa : wb) + (uint64_t)row * rb, u, raw[r]);
     }
-    if (XQ) {
-      const uint4 qa = ((const DS_DEV uint4*)xr)[2 * u], qb = ((const DS_DEV uint4*)xr)[2 * u + 1];
-      const DS_DEV uint4* xr4 = (const DS_DEV uint4*)(xr + n_in / 4);  // the remainder words
-      const uint4 ra = xr4[2 * u], rc = xr4[2 * u + 1];
-      const float4 xd = ((const DS_DEV float4*)(xr + n_in / 2))[u];
-      const uint32_t q[16] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w,
-                              ra.x, ra.y, ra.z, ra.w, rc.x, rc.y, rc.z, rc.w};
-      const float d[4] = {xd.x, xd.y, xd.z, xd.w};
 #pragma unroll
-      for (int r = 0; r < NW * NR; ++r) acc[r] += ds_reg_dot_q(QX, raw[r], q, d, tabs);
-    } else {
-      float x[32];
+    for (int b = 0; b < XB; ++b) {  // every x row against the loaded bytes
+      if ((uint32_t)b >= nb) break;
+      const DS_DEV float* xb = xr + (uint64_t)b * x_pitch;
+      DS_THR float* ab = acc + b * NW * NR;
+      if (XQ) {
+        const uint4 qa = ((const DS_DEV uint4*)xb)[2 * u], qb = ((const DS_DEV uint4*)xb)[2 * u + 1];
+        const DS_DEV uint4* xr4 = (const DS_DEV uint4*)(xb + n_in / 4);  // the remainder words
+        const uint4 ra = xr4[2 * u], rc = xr4[2 * u + 1];
+        const float4 xd = ((const DS_DEV float4*)(xb + n_in / 2))[u];
+        const uint32_t q[16] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w,
+                                ra.x, ra.y, ra.z, ra.w, rc.x, rc.y, rc.z, rc.w};
+        const float d[4] = {xd.x, xd.y, xd.z, xd.w};
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float4 t = ds_reg_x4<RMS>(xr + 32 * u, nw + 32 * u, (uint32_t)i, ssq);
-        x[4 * i] = t.x; x[4 * i + 1] = t.y; x[4 * i + 2] = t.z; x[4 * i + 3] = t.w;
+        for (int r = 0; r < NW * NR; ++r) ab[r] += ds_reg_dot_q(QX, raw[r], q, d, tabs);
+      } else {
+        float x[32];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float4 t = ds_reg_x4<RMS>(xb + 32 * u, nw + 32 * u, (uint32_t)i, ssq[b]);
+          x[4 * i] = t.x; x[4 * i + 1] = t.y; x[4 * i + 2] = t.z; x[4 * i + 3] = t.w;
+        }
+#pragma unroll
+        for (int r = 0; r < NW * NR; ++r) ab[r] += ds_reg_dot_f(QX, raw[r], x);
       }
-#pragma unroll
-      for (int r = 0; r < NW * NR; ++r) acc[r] += ds_reg_dot_f(QX, raw[r], x);
     }
   }
 }

@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ds4_mlx.backend import kernel_backend, set_kernel_backend
 from ds4_mlx.chat import ThinkMode, cli_prompt_tokens
+from ds4_mlx.kernels.sim import compiler
 from ds4_mlx.loader import load
 from ds4_mlx.memory import kv_bytes_estimate, plan_sessions
 from ds4_mlx.server.worker import GenParams, Job, Worker
@@ -56,6 +58,33 @@ def test_batched_decode_logits_equal_single_session_logits(model):
         assert a.tokens == b.tokens
         assert all(np.array_equal(np.array(x), np.array(y)) or _rel(y, np.array(x)) <= 1e-5
                    for x, y in zip(a.state_arrays(), b.state_arrays(), strict=True))
+
+
+@pytest.mark.skipif(kernel_backend() in ("metal", "cuda") or compiler() is None,
+                    reason="the GPU's own run is benchmarks/batched.py; the sim backend needs g++")
+def test_batched_decode_on_the_kernels_equals_each_session_alone(model):
+    """The decode kernels' CUDA text (the sim backend), op by op: three sessions stepped together take every
+    kernel path one session's step takes (the routed experts' x quantized by HC pre, the matvecs that give a
+    threadgroup several tokens' rows) and give each session's logits alone."""
+    assert all(b.ffn.quantized_x for b in model.layers)  # the ds4 profile, IQ2_XXS gate/up and Q8_0 shared
+    rng = np.random.default_rng(4)
+    prompts = [[0] + rng.integers(2, 512, n).tolist() for n in (18, 25, 33)]
+    alone, batched = [Session(model) for _ in prompts], [Session(model) for _ in prompts]
+    for a, b, p in zip(alone, batched, prompts):
+        a.prefill(p)
+        b.prefill(p)
+    set_kernel_backend("sim")
+    model.set_compile_decode(False)
+    try:
+        for _ in range(2):
+            tokens = rng.integers(2, 512, len(prompts)).tolist()
+            want = [np.array(s.step(t)) for s, t in zip(alone, tokens)]
+            got = step_batch(batched, tokens)
+            for w, g in zip(want, got):
+                assert _rel(g, w) <= 1e-5
+    finally:
+        set_kernel_backend(None)
+        model.set_compile_decode(True)
 
 
 def test_step_batch_refuses_what_it_cannot_step(model):

@@ -66,6 +66,9 @@ def test_ab_in_process_runs_both_versions(tmp_path):
                "--json", out)  # fmt: skip
     res = json.loads(out.read_text())
     assert len(res["this"]) == len(res["other"]) == 2 and min(res["this"] + res["other"]) > 0
+    r = run_script("ab_in_process", other, "--shape", "tiny", "--batch", 3, "--prefill", 9, "--decode", 2,
+                   "--rounds", 1)  # fmt: skip
+    assert "ms/step" in r.stdout
     r = run_script("ab_in_process", tmp_path / "nowhere", "--shape", "tiny", ok=False)
     assert "has no ds4_mlx/ folder" in r.stderr and "Traceback" not in r.stderr
 

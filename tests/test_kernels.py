@@ -646,6 +646,45 @@ def _check_mv_reg_launch(epi, qt, xq):
 
 
 @needs_gpu
+@pytest.mark.parametrize("T", [2, 5, 8, 11])
+def test_mv_reg_rows_of_a_batched_step_share_one_decoding(T):
+    """A batched decode step's T tokens: a dense launch gives each threadgroup XB of them (the smallest of 2, 4, 8
+    that holds T; 11 tokens: two groups of 8, the last short), the SwiGLU launch its shared pairs (y also
+    quantized); every row equals the same launch of its token alone."""
+    rng = np.random.default_rng(40 + T)
+    out, n_in, E, k = 37, 768, 8, 3
+    x = mx.array(rng.standard_normal((T, n_in)).astype(np.float32))
+    nw = mx.array(rng.uniform(0.5, 1.5, n_in).astype(np.float32))
+    xb = kernels.reg_xb(T)
+    assert xb == min(8, 1 << (T - 1).bit_length())
+    for qt in (QT.Q8_0, QT.F16):  # x in f32: quarter units (Q8_0), whole units (F16)
+        w, _ = make_weight(rng, qt, (out, n_in), np.float32)
+        for kw in (dict(), dict(epi=kernels.MV_RMS, aux=nw, clamp=1e-6)):
+            plan = kernels._mv_plan(w, BACKEND, T, T, 1, False, None, kw.get("epi", 0), direct=True)
+            assert dict(plan[3])["XB"] == xb and plan[4][2] == -(-T // xb)
+            got = np.array(kernels.mv(w, x, BACKEND, direct=True, init=NAN, **kw))
+            alone = np.concatenate([np.array(kernels.mv(w, x[t : t + 1], BACKEND, direct=True, **kw))
+                                    for t in range(T)])  # fmt: skip
+            assert np.isfinite(got).all() and np.abs(got).max() > 0
+            assert np.abs(got - alone).max() <= 1e-6 * np.abs(alone).max(), (qt.name, kw.get("epi"))
+    gate, up = (make_weight(rng, QT.IQ2_XXS, (E, 64, n_in), np.float32)[0] for _ in range(2))
+    sh = QuantWeight.stack_rows([make_weight(rng, QT.Q8_0, (64, n_in), np.float32)[0] for _ in range(2)])
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    rw = rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)
+    xq = kernels.quantize_x(x)
+    for qy in (False, True):
+        kw = dict(k_slots=k, epi=kernels.MV_SWIGLU, w2=up, clamp=0.5, shared=sh, xq=True, direct=True, quantize_y=qy)
+        # (an unwritten word: 0 here, NaN in the launches of one token on sim, or the f32 result not finite)
+        got = np.array(kernels.mv(gate, xq, BACKEND, ids=mx.array(ids.reshape(-1)), aux=mx.array(rw.reshape(-1)),
+                                  init=0.0 if qy else NAN, **kw))  # fmt: skip
+        each = [np.array(kernels.mv(gate, xq[t : t + 1], BACKEND, ids=mx.array(ids[t]), aux=mx.array(rw[t]), **kw))
+                for t in range(T)]  # fmt: skip
+        alone = np.concatenate([e[:k] for e in each] + [e[k:] for e in each])  # routed pairs, then shared ones
+        assert got.shape == alone.shape and (qy or np.isfinite(got).all())
+        np.testing.assert_array_equal(got.view(np.uint32), alone.view(np.uint32))
+
+
+@needs_gpu
 def test_mv_reg_swiglu_writes_quantized_mid():
     """The gate+up launch with quantize_y (the model's, where the down launch reads quantized x) writes the
     f32 launch's result as quantize_x lays it out: the same scales and q bytes, remainders within one (the

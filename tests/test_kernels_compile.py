@@ -198,13 +198,14 @@ def test_mv_launch_plan():
     _, _, _, template, grid, _, out = kernels._mv_plan(e, "cuda", 12, 12, 6, True, None, kernels.MV_SUM, False, 0.0)
     assert dict(template)["EPI"] == kernels.MV_SUM and grid[2] == 2 and out == (2, 64)
     # the quantized-x SwiGLU launch as mv_reg.body, with the shared expert: NR rows a threadgroup, all NSG
-    # simdgroups on them, the T shared pairs after the routed ones, a packed route (ids' pitch 2k)
+    # simdgroups on them, the T shared pairs after the routed ones (both in one threadgroup's z), a packed route
+    # (ids' pitch 2k)
     kind, _, params, template, grid, tg, out = kernels._mv_plan(
         e, "cuda", 12, 2, 6, True, None, kernels.MV_SWIGLU, 2, 10.0, QT.Q8_0, True, 0, True, True)
     nr, nsg, rg = kernels.reg_config(kernels.MV_SWIGLU, 256)
-    want = kernels.mv_reg_template(QT.IQ2_XXS, nr, nsg, rg, True, kernels.MV_SWIGLU, QT.Q8_0)
+    want = kernels.mv_reg_template(QT.IQ2_XXS, nr, nsg, rg, True, kernels.MV_SWIGLU, QT.Q8_0, xb=2)
     assert kind == "mv_reg" and template == list(want)
-    assert grid == (-(-64 // (nr * rg)) * 32 * nsg, 1, 12 + 2) and tg == (32 * nsg, 1, 1) and out == (14, 64)
+    assert grid == (-(-64 // (nr * rg)) * 32 * nsg, 1, 12 + 1) and tg == (32 * nsg, 1, 1) and out == (14, 64)
     assert np.array(params).tolist()[3:] == [6, 0, 12, int(np.float32(10.0).view(np.int32)), 2, 0, 12]
 
 

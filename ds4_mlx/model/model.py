@@ -106,8 +106,9 @@ class Block:
                     ) -> tuple[mx.array, list]:  # fmt: skip
         n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm)
         y, sts = self.attn.decode_batch(n, sts, ios, keys)
-        S, n, post, comb, _ = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm)
-        return hc_post(S, self.ffn.forward(n, tokens), post, comb), sts
+        S, n, post, comb, nq = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm,
+                                           quantize=self.ffn.quantized_x)  # as one session's step: mv_reg's x
+        return hc_post(S, self.ffn.forward(n, tokens, nq), post, comb), sts
 
     def _batch_fn(self, keys: tuple[DecodeKey, ...]) -> Callable:
         """The batched step for ``keys`` (one per session), compiled once every raw window is full (as
