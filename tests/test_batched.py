@@ -39,21 +39,35 @@ def _rel(a, ref) -> float:
 # ---- the model: one step, B sessions ------------------------------------------------------------------------
 
 
-def test_batched_decode_logits_equal_single_session_logits(model):
-    """Three sessions at different positions (one still filling its raw window, so steps of both the compiled and
-    the op-by-op kind) stepped together for 24 tokens: every row equals the same session stepped alone."""
-    rng = np.random.default_rng(0)
-    prompts = [[0] + rng.integers(2, 512, n).tolist() for n in (3, 20, 37)]
+def _op_by_op_on_sim(model) -> None:
+    set_kernel_backend("sim")
+    model.set_compile_decode(False)
+
+
+def _step_alone_and_batched(model, prompt_lengths, steps: int, seed: int, before_steps=None) -> tuple[list, list]:
+    """Sessions of random prompts, each stepped alone and all stepped together on the same random tokens: every
+    batched row within 1e-5 of the session's own -> (alone, batched)."""
+    rng = np.random.default_rng(seed)
+    prompts = [[0] + rng.integers(2, 512, n).tolist() for n in prompt_lengths]
     alone, batched = [Session(model) for _ in prompts], [Session(model) for _ in prompts]
     for a, b, p in zip(alone, batched, prompts):
         a.prefill(p)
         b.prefill(p)
-    for _ in range(24):
+    if before_steps:
+        before_steps(model)
+    for _ in range(steps):
         tokens = rng.integers(2, 512, len(prompts)).tolist()
         want = [np.array(s.step(t)) for s, t in zip(alone, tokens)]
         got = step_batch(batched, tokens)
         for w, g in zip(want, got):
             assert _rel(g, w) <= 1e-5
+    return alone, batched
+
+
+def test_batched_decode_logits_equal_single_session_logits(model):
+    """Three sessions at different positions (one still filling its raw window, so steps of both the compiled and
+    the op-by-op kind) stepped together for 24 tokens: every row equals the same session stepped alone."""
+    alone, batched = _step_alone_and_batched(model, (3, 20, 37), 24, seed=0)
     for a, b in zip(alone, batched):
         assert a.tokens == b.tokens
         assert all(np.array_equal(np.array(x), np.array(y)) or _rel(y, np.array(x)) <= 1e-5
@@ -67,21 +81,8 @@ def test_batched_decode_on_the_kernels_equals_each_session_alone(model):
     kernel path one session's step takes (the routed experts' x quantized by HC pre, the matvecs that give a
     threadgroup several tokens' rows) and give each session's logits alone."""
     assert all(b.ffn.quantized_x for b in model.layers)  # the ds4 profile, IQ2_XXS gate/up and Q8_0 shared
-    rng = np.random.default_rng(4)
-    prompts = [[0] + rng.integers(2, 512, n).tolist() for n in (18, 25, 33)]
-    alone, batched = [Session(model) for _ in prompts], [Session(model) for _ in prompts]
-    for a, b, p in zip(alone, batched, prompts):
-        a.prefill(p)
-        b.prefill(p)
-    set_kernel_backend("sim")
-    model.set_compile_decode(False)
     try:
-        for _ in range(2):
-            tokens = rng.integers(2, 512, len(prompts)).tolist()
-            want = [np.array(s.step(t)) for s, t in zip(alone, tokens)]
-            got = step_batch(batched, tokens)
-            for w, g in zip(want, got):
-                assert _rel(g, w) <= 1e-5
+        _step_alone_and_batched(model, (18, 25, 33), 2, seed=4, before_steps=_op_by_op_on_sim)
     finally:
         set_kernel_backend(None)
         model.set_compile_decode(True)
