@@ -77,13 +77,12 @@ def version(pkg: str, cfg, weights: dict, prefill: int, reserve: int, seed: int 
     QW = mod["weights"].QuantWeight
     model = model_mod.Model(cfg, {k: QW(v.data, v.qtype, v.shape) if hasattr(v, "qtype") else v
                                   for k, v in weights.items()})  # fmt: skip
-    prompt = [0] + np.random.default_rng(seed).integers(2, cfg.n_vocab, prefill - 1).tolist()
-    sess = mod["session"].Session(model, reserve=reserve)
-    sess.prefill(prompt)
-    v = SimpleNamespace(name=pkg, sess=sess, mod=mod, model=model, prompt=prompt, ms=[], batch=[sess])
-    for b in range(1, batch):
-        v.batch.append(mod["session"].Session(model, reserve=reserve))
-        v.batch[-1].prefill([0] + np.random.default_rng(seed + b).integers(2, cfg.n_vocab, prefill - 1).tolist())
+    prompts = [[0] + np.random.default_rng(seed + b).integers(2, cfg.n_vocab, prefill - 1).tolist()
+               for b in range(batch)]  # fmt: skip
+    sessions = [mod["session"].Session(model, reserve=reserve) for _ in prompts]
+    for sess, prompt in zip(sessions, prompts):
+        sess.prefill(prompt)
+    v = SimpleNamespace(name=pkg, sess=sessions[0], mod=mod, model=model, prompt=prompts[0], ms=[], batch=sessions)
     (run if batch == 1 else run_batched)(v, max(cfg.compress_ratios) + 1)  # warm-up: every kind of step, JIT
     return v
 
@@ -141,14 +140,15 @@ def main(argv: list[str] | None = None) -> dict:
         reserve = args.prefill + max(cfg.compress_ratios) + 1 + args.rounds * (args.decode + 1)
         this = version("ds4_mlx", cfg, weights, args.prefill, reserve, batch=args.batch)
         other = version(other_pkg, cfg, weights, args.prefill, reserve, batch=args.batch)
-        timed = run_prefill if args.measure == "prefill" else run if args.batch == 1 else run_batched
+        step = run if args.batch == 1 else run_batched
+        timed = run_prefill if args.measure == "prefill" else lambda v: step(v, args.decode)
+        unit = "ms/token" if args.batch == 1 else "ms/step"
         t_start = time.perf_counter()
         for rnd in range(args.rounds):
             if args.seconds and time.perf_counter() - t_start > args.seconds:
                 break
             for v in (this, other) if rnd % 2 == 0 else (other, this):
-                v.ms.append(round(timed(v) if args.measure == "prefill" else timed(v, args.decode), 4))
-            unit = "ms/token" if args.batch == 1 else "ms/step"
+                v.ms.append(round(timed(v), 4))
             print(f"round {rnd}: this {this.ms[-1]:8.3f}  other {other.ms[-1]:8.3f} {unit}", flush=True)
             res = summary(this.ms, other.ms)
             if args.json:  # every round: a crash or a device call's time limit loses nothing

@@ -165,9 +165,10 @@ def reg_xb(n_rows: int) -> int:
     return next((xb for xb in MV_REG_XB if xb >= n_rows), MV_REG_XB[-1])
 
 
-def reg_xbs(epi: int, gather: bool, shared: bool) -> tuple[int, ...]:
-    """The XBs mv_reg.body takes for a launch: dense ones and the SwiGLU with the shared pairs group rows of y."""
-    return MV_REG_XB if not gather or (epi == MV_SWIGLU and shared) else (1,)
+def reg_groups(epi: int, gather: bool, shared: bool) -> bool:
+    """Whether mv_reg.body groups a launch's rows of y XB to a threadgroup: a dense launch's tokens, the SwiGLU
+    launch's shared pairs (the routed pairs read different experts)."""
+    return not gather or (epi == MV_SWIGLU and shared)
 
 
 INPUTS = {
@@ -509,7 +510,7 @@ def instantiations() -> list[Instantiation]:
             for sh in (None, MV_SHARED_TYPE) if epi in (MV_SWIGLU, MV_SUM) else (None,):
                 for qy in (False, True) if epi == MV_SWIGLU and sh is not None else (False,):  # the model's gate+up
                     for config in {reg_config(epi, n) for n in (MV_REG_SHORT_K, 2 * MV_REG_SHORT_K)}:
-                        for xb in reg_xbs(epi, gather, sh is not None):
+                        for xb in MV_REG_XB if reg_groups(epi, gather, sh is not None) else (1,):
                             template = mv_reg_template(qt, *config, gather, epi, sh, xq, qy, xb)
                             out.append(Instantiation("mv_reg", template))
     return out
@@ -723,8 +724,8 @@ def _mv_plan(
         if quantize_y and (epi != MV_SWIGLU or nr * rg != 8 or n_out % 8):
             raise ValueError(f"mv: quantize_y needs the SwiGLU epilogue at NR·RG = 8 rows and out % 8 == 0, not "
                              f"{epi}, ({nr}, {nsg}, {rg}), out {n_out}")  # fmt: skip
-        # Rows of y that read one weight, grouped XB to a threadgroup: a dense launch's tokens, the shared pairs.
-        grouped = P if not gather else P // k_slots if shared_qt is not None and epi == MV_SWIGLU else 0
+        # the rows of y that read one weight, grouped XB to a threadgroup (the dense tokens, the shared pairs)
+        grouped = (P if not gather else P // k_slots) if reg_groups(epi, gather, shared_qt is not None) else 0
         xb = reg_xb(grouped)
         z = rows - grouped + -(-grouped // xb)
         template = list(mv_reg_template(qw.qtype, nr, nsg, rg, gather, epi, shared_qt, xq, quantize_y, xb))
