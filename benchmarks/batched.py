@@ -2,11 +2,12 @@
 first token of a new prompt prefilled in quanta while other sessions decode.
 
     python benchmarks/batched.py [-m FILE | --shape tiny|full [--layers N]] [--ctx N] [--batches 1,2,4,8] [--steps N]
-                                 [--ttft-prompt N] [--ttft-decoders N] [--quantum N] [--csv FILE]
+                                 [--ttft-prompt N] [--ttft-decoders N] [--quantum N] [--wait] [--csv FILE]
 
 Decode: B sessions, each holding the same ``--ctx`` tokens (one prefill, restored into each), run ``--steps``
-steps of one model call for all B (:func:`~ds4_mlx.session.step_batch`), each session greedy on its own logits
-(the host reads every id, as the batched server does). Reported per B: aggregate and per-session tokens/s and
+steps of one model call for all B, each session's id drawn greedily on the device and read back by the host, in
+the loop the batched server runs (:func:`~ds4_mlx.generate.sample_and_step`: each step queued while the host reads
+the ids of the one before; ``--wait`` awaits every step before the next is built). Reported per B: aggregate and per-session tokens/s and
 their ratio to B = 1. TTFT: ``--ttft-decoders`` sessions decode while a new session prefills ``--ttft-prompt``
 tokens, ``--quantum`` tokens between two of their steps (the server's scheduler): the new prompt's time to first
 token against its prefill alone, and the decoders' inter-token latency meanwhile. ``--csv`` writes both tables.
@@ -22,10 +23,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ds4_mlx.generate import sample_and_step
 from ds4_mlx.loader import load
 from ds4_mlx.random_model import random_model
-from ds4_mlx.sampling import argmax
-from ds4_mlx.session import Session, step_batch
+from ds4_mlx.sampling import GREEDY_PARAMS, Sampler, SamplingParams
+from ds4_mlx.session import Session
 
 
 def _prefilled(model, tokens: list[int], chunk: int, reserve: int) -> Session:
@@ -35,7 +37,13 @@ def _prefilled(model, tokens: list[int], chunk: int, reserve: int) -> Session:
     return s
 
 
-def decode_rates(model, ctx: int, batches: list[int], steps: int, chunk: int, warmup: int = 3) -> list[dict]:
+def _greedy(sessions: list[Session]) -> list[tuple[Sampler, SamplingParams]]:
+    """Each session's draw for :func:`~ds4_mlx.generate.sample_and_step`: greedy."""
+    return [(Sampler(GREEDY_PARAMS), GREEDY_PARAMS) for _ in sessions]
+
+
+def decode_rates(model, ctx: int, batches: list[int], steps: int, chunk: int, wait: bool = False,
+                 warmup: int = 3) -> list[dict]:  # fmt: skip
     """Per B: seconds of ``steps`` batched greedy steps of B sessions at ``ctx`` tokens, and tokens/s."""
     tokens = np.random.default_rng(0).integers(2, model.cfg.n_vocab, ctx).tolist()
     base = _prefilled(model, tokens, chunk, ctx + steps + warmup + 1).snapshot()
@@ -44,11 +52,13 @@ def decode_rates(model, ctx: int, batches: list[int], steps: int, chunk: int, wa
         sessions = [Session(model, chunk_size=chunk, reserve=ctx + steps + warmup + 1) for _ in range(B)]
         for s in sessions:
             s.restore(base)
+        draws = _greedy(sessions)
 
         def run(n: int) -> float:
             t = time.perf_counter()
             for _ in range(n):
-                step_batch(sessions, [argmax(s.logits) for s in sessions])
+                sample_and_step(sessions, draws, wait=wait)
+            mx.eval([s.logits for s in sessions])  # the last step's work counts too
             return time.perf_counter() - t
 
         run(warmup)  # traces and compiles the steps of this B
@@ -62,7 +72,8 @@ def decode_rates(model, ctx: int, batches: list[int], steps: int, chunk: int, wa
     return rows
 
 
-def ttft_under_load(model, ctx: int, prompt: int, decoders: int, quantum: int, chunk: int) -> dict:
+def ttft_under_load(model, ctx: int, prompt: int, decoders: int, quantum: int, chunk: int, wait: bool = False
+                    ) -> dict:  # fmt: skip
     """TTFT of a ``prompt``-token prefill in ``quantum``-token pieces between steps of ``decoders`` sessions, the
     same prefill alone, and the decoders' inter-token latency meanwhile (mean, max)."""
     rng = np.random.default_rng(1)
@@ -79,14 +90,15 @@ def ttft_under_load(model, ctx: int, prompt: int, decoders: int, quantum: int, c
     running = [Session(model, chunk_size=chunk, reserve=ctx + prompt) for _ in range(decoders)]
     for s in running:
         s.restore(base)
+    draws = _greedy(running)
     if running:  # trace and compile the decoders' steps first
-        step_batch(running, [argmax(s.logits) for s in running])
+        sample_and_step(running, draws, wait=wait)
     fresh = Session(model, chunk_size=chunk, reserve=prompt + 1)
     gaps, last = [], time.perf_counter()
     t = last
     for i in range(0, prompt, quantum):
-        if running:
-            step_batch(running, [argmax(s.logits) for s in running])
+        if running:  # as the server's scheduler: a decode step queued, then a prefill quantum
+            sample_and_step(running, draws, wait=wait)
             now = time.perf_counter()
             gaps.append(now - last)
             last = now
@@ -113,6 +125,8 @@ def main() -> None:
     ap.add_argument("--sweeps", type=int, default=1,
                     help="run the B sweep this many times and keep the last (first uses of kernels and traces "
                          "land in the first)")  # fmt: skip
+    ap.add_argument("--wait", action="store_true",
+                    help="await every decode step before building the next (the loop without pipelining)")
     ap.add_argument("--csv", type=Path, help="write the tables here too")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
@@ -121,7 +135,7 @@ def main() -> None:
 
     model, _ = load(args.model) if args.model else random_model(args.shape, layers=args.layers)
     for sweep in range(args.sweeps):
-        rows = decode_rates(model, args.ctx, batches, args.steps, args.chunk)
+        rows = decode_rates(model, args.ctx, batches, args.steps, args.chunk, args.wait)
         print(f"sweep {sweep + 1} of {args.sweeps}: decode at {args.ctx} tokens of context, {args.steps} steps")
         print(f"{'B':>3} {'aggregate tok/s':>16} {'x B=1':>7} {'per session tok/s':>18} {'share of B=1':>13}")
         for r in rows:
@@ -129,7 +143,8 @@ def main() -> None:
                   f"{r['session_tps']:>18.2f} {r['session_share'] or 0:>13.2f}", flush=True)
     ttft = None
     if args.ttft_prompt:
-        ttft = ttft_under_load(model, args.ctx, args.ttft_prompt, args.ttft_decoders, args.quantum, args.chunk)
+        ttft = ttft_under_load(model, args.ctx, args.ttft_prompt, args.ttft_decoders, args.quantum, args.chunk,
+                               args.wait)
         print(f"TTFT of a {ttft['prompt']}-token prompt beside {ttft['decoders']} decoding sessions "
               f"(quantum {ttft['quantum']}): {ttft['ttft_s']:.3f} s (its prefill alone {ttft['prefill_alone_s']:.3f} s); "
               f"their inter-token latency meanwhile: mean {ttft['itl_mean_s']} s, max {ttft['itl_max_s']} s")

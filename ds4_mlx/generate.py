@@ -29,7 +29,7 @@ import mlx.core as mx
 from .backend import kernel_backend
 from .chat import DEFAULT_SYSTEM, Message, ThinkMode, cli_prompt_tokens, render_chat
 from .sampling import DEFAULT_PARAMS, Sampler, SamplingParams, StopStrings, on_device
-from .session import DEFAULT_CHUNK, Session, SessionSnapshot, StepEncoder
+from .session import DEFAULT_CHUNK, Session, SessionSnapshot, StepEncoder, step_batch
 
 DEFAULT_CTX = 32768
 # Steps queued ahead of the id the host reads (decode_tokens). One is mlx-lm's, but then the H200's host waits
@@ -229,6 +229,36 @@ def _decode(session: Session, sampler: Sampler, max_tokens: int, lag: int, logpr
             if queued:
                 sampler.rng.seek(queued[0].uniform)
         raise
+
+
+#: How :func:`sample_and_step` picks a session's next id: an id to take as is, or the sampler and knobs to draw it with.
+Draw = int | tuple[Sampler, SamplingParams]
+
+
+def sample_and_step(sessions: Sequence[Session], draws: Sequence[Draw], *, wait: bool = False
+                    ) -> tuple[list[int], list[SessionSnapshot]]:  # fmt: skip
+    """One decode step of several sessions: each one's next id drawn after its logits (``draws[b]``), then all of
+    them stepped into their sessions in one model call (:func:`~ds4_mlx.session.step_batch`) -> ``(ids, points)``.
+
+    Ids whose knobs pass :func:`~ds4_mlx.sampling.on_device` are drawn on the device, inside the step. Unless
+    ``wait``, the step is queued, not awaited, and the ids are read back as soon as they are drawn: the caller's
+    work on them, and its building of the next step, overlap the device's work on this one (:func:`decode_tokens`
+    does the same for one session). Other knobs sample on the host, which waits for the logits.
+    ``points[b]`` is ``sessions[b]`` before the step (:meth:`~ds4_mlx.session.Session.rewind_point`): a caller
+    that does not keep ``ids[b]`` (an EOS, a stop, a cancelled request) rewinds the session there, so it ends as
+    if it had never taken the id.
+    """
+    if len(sessions) != len(draws):
+        raise ValueError(f"{len(sessions)} sessions, {len(draws)} draws")
+    points = [s.rewind_point() for s in sessions]
+    tokens: list[int | mx.array] = []
+    for s, d in zip(sessions, draws):
+        if isinstance(d, tuple):
+            sampler, p = d
+            d = sampler.draw(s.logits, p) if on_device(p) else sampler(s.logits, p)
+        tokens.append(d)
+    step_batch(sessions, tokens, wait=wait)
+    return [t if isinstance(t, int) else int(t.item()) for t in tokens], points
 
 
 def stream_generate(

@@ -147,9 +147,7 @@ class Session:
         unevaluated, so the caller can build the next step while the device runs this one (mlx-lm style
         pipelining). Reading ``tokens`` or the logits' values waits for the queued work.
         """
-        if isinstance(token, mx.array):
-            return self._run(token.reshape(1).astype(mx.int32), wait=False)
-        return self._run([int(token)])
+        return self._run(_token_row(token), wait=not isinstance(token, mx.array))
 
     def sibling(self) -> Session:
         """A new empty session over the same model, with this one's chunk size and reserved context."""
@@ -195,31 +193,47 @@ class Session:
         return sum(c.nbytes for c in self.caches)
 
 
-def step_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> list[mx.array]:
+def step_batch(sessions: Sequence[Session], tokens: Sequence[int | mx.array], *, wait: bool = True
+               ) -> list[mx.array]:  # fmt: skip
     """Decode ``tokens[b]`` in ``sessions[b]`` for every b in one model call -> each session's next-token logits.
 
     The sessions must share one model. The layers take the B tokens as B rows, so every weight is read once for
     all of them (:meth:`~ds4_mlx.model.model.Model.decode_batch`); each session ends as if it had run
     :meth:`Session.step` itself (up to the products' summation order). One session is a plain :meth:`Session.step`.
     Sessions without a model of their own (test stand-ins) step one by one.
+
+    A token may be an ``mx.array`` id still being computed (drawn on the device from the session's logits). With
+    ``wait=False`` the step is queued with ``mx.async_eval`` and its logits are returned unevaluated, as
+    :meth:`Session.step` does for a lazy token.
     """
     if len(sessions) != len(tokens):
         raise ValueError(f"{len(sessions)} sessions, {len(tokens)} tokens")
-    if len(sessions) == 1 or not all(isinstance(s, Session) for s in sessions):
+    if not all(isinstance(s, Session) for s in sessions):
         return [s.step(int(t)) for s, t in zip(sessions, tokens)]
+    if len(sessions) == 1:
+        return [sessions[0]._run(_token_row(tokens[0]), wait=wait)]
     model = sessions[0].model
     if any(s.model is not model for s in sessions):
         raise ValueError("a batched step needs sessions of one model")
     if len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("a session appears twice in one batched step")
-    tokens = [int(t) for t in tokens]
-    logits = model.decode_batch(tokens, [s.pos for s in sessions], [s.caches for s in sessions])
+    tokens = [t if isinstance(t, mx.array) else int(t) for t in tokens]
+    lazy = any(isinstance(t, mx.array) for t in tokens)
+    ids = mx.concatenate([_token_row(t) if isinstance(t, mx.array) else mx.array([t], mx.int32)
+                          for t in tokens]) if lazy else tokens  # fmt: skip
+    logits = model.decode_batch(ids, [s.pos for s in sessions], [s.caches for s in sessions])
     rows = [logits[b] for b in range(len(sessions))]
-    mx.eval(rows, [a for s in sessions for c in s.caches for a in c.decode_state().values()])
+    states = [a for s in sessions for c in s.caches for a in c.decode_state().values()]
+    (mx.eval if wait else mx.async_eval)(rows, states)
     for s, t, row in zip(sessions, tokens, rows):
         s._tokens.append(t)
         s.logits = row
     return rows
+
+
+def _token_row(token: int | mx.array) -> list[int] | mx.array:
+    """One token as a model call's ids: an int as a one-id list, a lazy id as int32 ``[1]``."""
+    return token.reshape(1).astype(mx.int32) if isinstance(token, mx.array) else [int(token)]
 
 
 @functools.cache

@@ -24,6 +24,8 @@ from ds4_mlx.kernels.sim import compiler
 from ds4_mlx.loader import load
 from ds4_mlx.memory import kv_bytes_estimate, plan_sessions
 from ds4_mlx.server.worker import GenParams, Job, Worker
+from ds4_mlx.generate import sample_and_step
+from ds4_mlx.sampling import GREEDY_PARAMS, Sampler, SamplingParams
 from ds4_mlx.session import Session, step_batch
 
 
@@ -44,15 +46,20 @@ def _op_by_op_on_sim(model) -> None:
     model.set_compile_decode(False)
 
 
+def _prefilled_pair(model, prompts) -> tuple[list[Session], list[Session]]:
+    alone, batched = [Session(model) for _ in prompts], [Session(model) for _ in prompts]
+    for a, b, p in zip(alone, batched, prompts):
+        a.prefill(p)
+        b.prefill(p)
+    return alone, batched
+
+
 def _step_alone_and_batched(model, prompt_lengths, steps: int, seed: int, before_steps=None) -> tuple[list, list]:
     """Sessions of random prompts, each stepped alone and all stepped together on the same random tokens: every
     batched row within 1e-5 of the session's own -> (alone, batched)."""
     rng = np.random.default_rng(seed)
     prompts = [[0] + rng.integers(2, 512, n).tolist() for n in prompt_lengths]
-    alone, batched = [Session(model) for _ in prompts], [Session(model) for _ in prompts]
-    for a, b, p in zip(alone, batched, prompts):
-        a.prefill(p)
-        b.prefill(p)
+    alone, batched = _prefilled_pair(model, prompts)
     if before_steps:
         before_steps(model)
     for _ in range(steps):
@@ -97,6 +104,47 @@ def test_step_batch_refuses_what_it_cannot_step(model):
     with pytest.raises(ValueError, match="twice"):
         step_batch([a, a], [3, 4])
     assert a.pos == b.pos == 2  # nothing ran
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_sample_and_step_draws_each_sessions_ids_as_alone(model, wait):
+    """A forced id, greedy and seeded sampling on the device, and top-k sampling on the host, drawn and stepped
+    together for 6 steps: the ids each session draws alone, with the same seed, one synchronous step at a time."""
+    knobs = [None, GREEDY_PARAMS, SamplingParams(temperature=0.8, top_p=1.0, top_k=0), SamplingParams(0.8, 1.0, 5)]
+    prompts = [[0, 9, 17], [0] + list(range(30, 50)), [0, 5, 6, 7, 8], [0, 100, 101]]
+    alone, batched = _prefilled_pair(model, prompts)
+    samplers = [[Sampler(p, seed=7 + i) if p else None for i, p in enumerate(knobs)] for _ in range(2)]
+    for step in range(6):
+        want = []
+        for s, sampler, p in zip(alone, samplers[0], knobs):
+            want.append(sampler.next_id(s.logits, p) if p else 40 + step)
+            s.step(want[-1])
+        draws = [(sampler, p) if p else 40 + step for sampler, p in zip(samplers[1], knobs)]
+        got, _ = sample_and_step(batched, draws, wait=wait)
+        assert got == want
+    for a, b in zip(alone, batched):
+        assert b.tokens == a.tokens
+        assert _rel(b.logits, np.array(a.logits)) <= 1e-5
+
+
+def test_a_session_rewound_after_a_batched_step_is_as_before_it(model):
+    """The rewind point :func:`sample_and_step` returns takes one session back to before the step (its id never
+    entered the KV) and leaves the others' steps; the rewound session then goes on as one that never took it."""
+    prompts = [[0, 3, 4, 5], [0] + list(range(60, 90))]
+    alone, batched = _prefilled_pair(model, prompts)
+    greedy = [(Sampler(GREEDY_PARAMS), GREEDY_PARAMS) for _ in prompts]
+    before = [s.snapshot() for s in batched]
+    ids, points = sample_and_step(batched, greedy)
+    batched[0].rewind(points[0])
+    assert batched[0].tokens == list(before[0].tokens) and batched[1].tokens == prompts[1] + [ids[1]]
+    alone[1].step(ids[1])
+    for a, b in zip(alone, batched):  # each now steps one token: the rewound one from its prompt's end
+        a.step(11)
+        b.step(11)
+        assert a.tokens == b.tokens
+        assert _rel(b.logits, np.array(a.logits)) <= 1e-5
+    with pytest.raises(ValueError, match="2 sessions, 1 draws"):
+        sample_and_step(batched, [5])
 
 
 # ---- the worker: N live sessions (scenarios run in a child process) -------------------------------------------

@@ -258,4 +258,6 @@ def test_batched_benchmark_reports_every_batch_and_the_ttft(tmp_path):
     (t,) = csv.DictReader(ttft.splitlines())
     assert float(t["ttft_s"]) > 0 and float(t["prefill_alone_s"]) > 0 and float(t["itl_mean_s"]) > 0
     assert "TTFT of a 24-token prompt beside 2 decoding sessions" in text
+    assert "x B=1" in run_script("batched", "--ctx", 16, "--batches", "2", "--steps", 2, "--ttft-prompt", 0,
+                                 "--wait").stdout  # the loop that awaits every step
     run_script("batched", "--batches", "0", ok=False)

@@ -25,9 +25,12 @@ once. A job goes to the idle slot whose live state it reuses longest (the same r
 matches, to an empty slot or else the least recently used one, whose session is saved to disk first (``evict``).
 A job that finds every slot busy waits, first come first served. The jobs then advance together
 (:meth:`Worker._run_batched`): each loop runs one decode step for every job that is decoding, the B tokens as B
-rows of one model call (:func:`~ds4_mlx.session.step_batch`), then one prefill quantum of one prefilling job, in
-turn (chunks end on absolute multiples of ``prefill_quantum``, so a job's prefill is the same alone or beside
-others). Ids are sampled on the host, per job with its own knobs, stop rules, DSML state and cancellation.
+rows of one model call, then one prefill quantum of one prefilling job, in turn (chunks end on absolute multiples
+of ``prefill_quantum``, so a job's prefill is the same alone or beside others). Each job's id is drawn with its
+own knobs, on the device where they allow it, inside the step that takes it
+(:func:`~ds4_mlx.generate.sample_and_step`); the step is queued and the ids are read back while the device runs
+it, so each job's stop rules, DSML state and cancellation, and the building of the next step, overlap the device's
+work. A job whose id ends its answer (EOS, a stop string, a cancel) rewinds its session to before that step.
 
 Events go back to the request's event loop as tuples: ``("start", info)``, ``("prefill", done, total)``,
 ``("text", str)`` and finally ``("done", Result)`` or ``("error", status, message)``.
@@ -46,11 +49,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..chat import ThinkMode
-from ..generate import DEFAULT_LAG, decode_tokens
+from ..generate import DEFAULT_LAG, Draw, decode_tokens, sample_and_step
 from ..dsml import DSMLTracker, ToolCallDetector
 from ..tokenizer import EOS, THINK, THINK_END, StreamingDetokenizer
 from ..sampling import Sampler, SamplingParams, server_params
-from ..session import DEFAULT_CHUNK, PrefillCancelled, step_batch
+from ..session import DEFAULT_CHUNK, PrefillCancelled
 from ..dsml import DecodeState
 from ..kvstore import FLAG_RESPONSES_VISIBLE, FLAG_THINKING_VISIBLE, CachePolicy, DiskCache
 
@@ -265,7 +268,7 @@ class _Task:
     job: Job
     slot: Slot
     gen: Any
-    token: int | None = None  # the id to step into its session next (None: planned or prefilling)
+    draw: Draw | None = None  # how to draw its next id (None: planned or prefilling)
     turn: int = 0  # when it last had a prefill quantum (the oldest goes next)
 
 
@@ -437,10 +440,11 @@ class Worker:
             except queue.Empty:
                 pass
             self._place(tasks)
-            decoding = [t for t in tasks if t.token is not None]
+            decoding = [t for t in tasks if t.draw is not None]
             if decoding:
                 try:
-                    step_batch([t.slot.session for t in decoding], [t.token for t in decoding])
+                    ids, points = sample_and_step([t.slot.session for t in decoding], [t.draw for t in decoding],
+                                                  wait=not self.lag)
                     self.batch_sizes[len(decoding)] += 1
                 except Exception as e:  # noqa: BLE001 - the step's sessions are lost, the worker goes on
                     for t in decoding:
@@ -448,9 +452,9 @@ class Worker:
                         self._release(t)
                         self._failed(t.slot, t.job, e)
                 else:
-                    for t in decoding:
-                        self._advance(t, tasks)
-            prefilling = [t for t in tasks if t.token is None]
+                    for t, token, point in zip(decoding, ids, points):
+                        self._advance(t, tasks, (token, point))
+            prefilling = [t for t in tasks if t.draw is None]
             if prefilling:
                 t = min(prefilling, key=lambda t: t.turn)
                 t.turn = next(turns)
@@ -491,11 +495,11 @@ class Worker:
         empty = [s for s in idle if s.session.pos == 0]
         return (empty[0] if empty else min(idle, key=lambda s: s.last_used)), None
 
-    def _advance(self, t: _Task, tasks: list[_Task]) -> None:
-        """Run ``t`` to its next yield: the id it wants stepped, or None (its next prefill quantum); finish it
-        when it returns."""
+    def _advance(self, t: _Task, tasks: list[_Task], sent: tuple | None = None) -> None:
+        """Run ``t`` to its next yield (sending it ``sent``): how to draw its next id, or None (its next prefill
+        quantum); finish it when it returns."""
         try:
-            t.token = next(t.gen)
+            t.draw = t.gen.send(sent)
             return
         except StopIteration as stop:
             self._finished(t.slot, t.job, stop.value)
@@ -513,8 +517,10 @@ class Worker:
 
     def _task(self, slot: Slot, job: Job, plan: tuple | None):
         """One job of the batched worker, as a generator: yields None when planned and after every prefill
-        quantum, then each id to step into the session (the scheduler steps the decoding jobs together and
-        resumes them); returns the :class:`Result`."""
+        quantum, then how to draw each next id (the test hook's id, or the sampler and knobs). The scheduler
+        draws the decoding jobs' ids, steps them into the sessions together (:func:`~ds4_mlx.generate.sample_and_step`)
+        and sends each job its id and its session's rewind point from before the step; returns the
+        :class:`Result`."""
         tokens, reused, source, reason, cold_at, t0 = self._begin(slot, job, plan)
         P = len(tokens)
         yield None
@@ -526,10 +532,10 @@ class Worker:
         ans = self._answer(slot, job, P)
         s = slot.session
         while ans.running:
-            token = ans.forced_id() if ans.forced is not None else ans.sampler.next_id(s.logits, ans.knobs())
+            token, before = yield ans.forced_id() if ans.forced is not None else (ans.sampler, ans.knobs())
             keep, save = ans.take(token)
-            if keep:
-                yield token  # in the session when this resumes
+            if not keep:
+                s.rewind(before)  # the step took it already: an EOS, a stop or a cancel never enters the KV
             if save:
                 self._save_at(slot, "continued")
         return self._end(slot, job, ans, tokens, reused, source, reason, t0, t1)
