@@ -218,9 +218,7 @@ def step_batch(sessions: Sequence[Session], tokens: Sequence[int | mx.array], *,
     if len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("a session appears twice in one batched step")
     tokens = [t if isinstance(t, mx.array) else int(t) for t in tokens]
-    lazy = any(isinstance(t, mx.array) for t in tokens)
-    ids = mx.concatenate([_token_row(t) if isinstance(t, mx.array) else mx.array([t], mx.int32)
-                          for t in tokens]) if lazy else tokens  # fmt: skip
+    ids = mx.concatenate([_token_row(t) if isinstance(t, mx.array) else mx.array([t], mx.int32) for t in tokens])
     logits = model.decode_batch(ids, [s.pos for s in sessions], [s.caches for s in sessions])
     rows = [logits[b] for b in range(len(sessions))]
     states = [a for s in sessions for c in s.caches for a in c.decode_state().values()]
