@@ -5,9 +5,10 @@ A routed expert of one layer (its gate, up and down matrices, ~7 MB at V4 Flash'
 unit. The cache holds three pools, ``[slots, out, row_bytes]`` each (every MoE layer has the same expert shapes
 and types), allocated once: their size is the cap. A MoE call asks for the experts its tokens chose
 (:meth:`ExpertCache.fetch`); the ones not resident are read from the file by a pool of reader threads
-(``os.pread``: a file cut short is an error, not a crash) into the least recently used slots, and the call runs
-the same kernels as the resident model on the pools, with its expert ids mapped to slots. Each pair's product
-reads the same bytes in the same order, so the results equal the resident model's.
+(``os.pread``: a file cut short is an error, not a crash) into the slots of the least used experts (decayed use,
+the experts of the last decode steps kept: :data:`DEFAULT_HALF_LIFE`), and the call runs the same kernels as the
+resident model on the pools, with its expert ids mapped to slots. Each pair's product reads the same bytes in the
+same order, so the results equal the resident model's.
 
 The host has to know the chosen experts before it reads them, so a streamed MoE waits for its router: decode
 steps run op by op (not compiled), and reads do not overlap the device's work. A chunk whose tokens choose more
@@ -22,7 +23,6 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,16 @@ from .weights import QuantWeight
 #: The three matrices of a routed expert, in the order the pools and :meth:`ExpertCache.fetch` use.
 EXPERT_KINDS = ("gate", "up", "down")
 _ROUTED = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+
+
+#: Decode steps after which a use of an expert counts half when the cache picks what to evict (ExpertCache). On
+#: synthetic traffic (benchmarks/RESULTS.md, Expert streaming) decayed use with the last steps' experts kept hits
+#: as often as least-recently-used where routing is uniform and more often where it is skewed; 256 steps did a
+#: little better than 64.
+DEFAULT_HALF_LIFE = 256.0
+#: Rounds of calls (decode steps) whose experts are evicted last, whatever their score: tokens repeat the experts
+#: of the tokens just before them, which a score built over hundreds of steps would not protect.
+PROTECTED_ROUNDS = 2
 
 
 def is_routed_expert(name: str) -> bool:
@@ -115,6 +125,7 @@ class ExpertCache:
         cap_bytes: the pools' size; it holds ``cap_bytes // unit_bytes`` experts and must hold ``min_slots``.
         min_slots: experts one call must be able to hold at once (a token's ``k``).
         readers: threads that read experts from the file.
+        half_life: decode steps after which a use counts half in the eviction order (0: least recently used).
     """
 
     @classmethod
@@ -134,7 +145,7 @@ class ExpertCache:
         return cls(experts, parse_cache_size(size, unit, len(experts) * first[0].shape[0]), min_slots=min_slots)
 
     def __init__(self, experts: dict[int, tuple[StreamedTensor, ...]], cap_bytes: int, *, min_slots: int = 1,
-                 readers: int = 8):  # fmt: skip
+                 readers: int = 8, half_life: float = DEFAULT_HALF_LIFE):  # fmt: skip
         if not experts:
             raise ValueError("expert streaming: the model has no routed experts to stream")
         self.experts = experts
@@ -159,7 +170,15 @@ class ExpertCache:
         self._pending: list[mx.array] = []  # outputs computed from the pools, not evaluated yet (see reading)
         self._slot_of: dict[tuple[int, int], int] = {}
         self._owner: list[tuple[int, int] | None] = [None] * self.slots
-        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(self.slots))  # least recent first
+        # Eviction by decayed use: a slot's score adds ``_inc`` per call that uses it, and ``_inc`` grows by
+        # ``2 ** (1 / half_life)`` per round of calls (one a layer: a decode step), so a use weighs half as much
+        # after ``half_life`` steps. A miss takes the slots of lowest score (empty ones score 0), those the last
+        # PROTECTED_ROUNDS rounds used last of all. half_life 0: the least recently used.
+        self.half_life = half_life
+        self._growth = 2.0 ** (1.0 / (half_life * len(experts))) if half_life > 0 else 1.0
+        self._score = np.zeros(self.slots)
+        self._inc = 1.0
+        self._last = np.zeros(self.slots)  # the call that used each slot last (calls count from 1)
         self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ds4-expert-read")
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
@@ -225,24 +244,43 @@ class ExpertCache:
                 if s is None:
                     missing.append(e)
                 else:
-                    self._lru.move_to_end(s)
                     slot_of[e] = s
             self.hits += len(slot_of)
             self.misses += len(missing)
             if missing:
-                victims = [s for s in self._lru if s not in slot_of.values()][: len(missing)]
-                for e, s in zip(missing, victims):
+                for e, s in zip(missing, self._victims(len(missing), list(slot_of.values()))):
                     old = self._owner[s]
                     if old is not None:
                         del self._slot_of[old]
                     self._owner[s], self._slot_of[(il, e)], slot_of[e] = (il, e), s, s
-                    self._lru.move_to_end(s)
+                    self._score[s] = 0.0
                 self._load(il, missing, [slot_of[e] for e in missing])
+            self._use(list(slot_of.values()))
         table = np.zeros(self.n_expert, np.int32)
         table[wanted] = [slot_of[e] for e in wanted.tolist()]
         weights = tuple(QuantWeight(pool, t.qtype, (self.slots, *t.shape[1:]))
                         for pool, t in zip(self.pools, self.templates))
         return weights, mx.array(table[ids])
+
+    def _victims(self, n: int, keep: list[int]) -> np.ndarray:
+        """The ``n`` slots of lowest score, none of ``keep``."""
+        if self.half_life > 0:
+            score = self._score.copy()
+            score[self._last > self.calls - PROTECTED_ROUNDS * len(self.experts)] += score.max() + 1.0
+        else:
+            score = self._last.copy()
+        score[keep] = np.inf
+        return np.argpartition(score, n - 1)[:n] if n < self.slots else np.argsort(score)[:n]
+
+    def _use(self, slots: list[int]) -> None:
+        self._last[slots] = self.calls
+        if self.half_life <= 0:
+            return
+        self._inc *= self._growth
+        self._score[slots] += self._inc
+        if self._inc > 1e200:  # rescaled long before float64 overflows: the order stays
+            self._score /= self._inc
+            self._inc = 1.0
 
     def reading(self, out: mx.array) -> mx.array:
         """``out``, computed from the pools: it is evaluated at the next fetch, before a read lands in a slot. A

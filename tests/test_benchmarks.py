@@ -220,6 +220,12 @@ def test_expert_cache_hits_follow_the_cache_share(tmp_path):
     assert rows[0.0, 1.0]["hit_rate"] == 1.0 and rows[1.4, 1.0]["hit_rate"] > 0.99  # the rarest may not come yet
     assert rows[1.4, 0.5]["hit_rate"] > rows[0.0, 0.5]["hit_rate"] + 0.2
     assert rows[0.0, 0.5]["experts_read_per_layer"] == pytest.approx(4 * (1 - rows[0.0, 0.5]["hit_rate"]), abs=0.01)
+    # tokens that repeat their neighbours' experts hit more; decayed use beats least-recently-used on skewed routing
+    run_script("expert_cache_hits", "--layers", 2, "--experts", 32, "-k", 4, "--shares", "0.25", "--zipf", "1.4",
+               "--repeats", "0,0.5", "--half-lives", "0,256", "--steps", 150, "--warm", 150, "--json", out)  # fmt: skip
+    rate = {(r["repeat"], r["half_life"]): r["hit_rate"] for r in json.loads(out.read_text())["rows"]}
+    assert rate[0.5, 0.0] > rate[0.0, 0.0] + 0.1 and rate[0.5, 256.0] > rate[0.0, 256.0] + 0.1
+    assert rate[0.0, 256.0] > rate[0.0, 0.0] + 0.02 and rate[0.5, 256.0] > rate[0.5, 0.0] + 0.02
 
 
 def test_parallel_bytes_split_what_each_mode_splits(tmp_path):

@@ -96,9 +96,14 @@ def test_streamed_models_decode_from_one_thread(gguf, resident, monkeypatch):
     assert not generate.default_encode_thread(Session(load(gguf, expert_cache="6")[0]))
 
 
+def _cache_like(gguf, slots: int, half_life: float) -> ExpertCache:
+    """A cache of ``slots`` experts over the tiny model's file, with its own eviction half-life."""
+    streamed = load(gguf, expert_cache="6")[0].expert_cache
+    return ExpertCache(streamed.experts, slots * streamed.unit_bytes, min_slots=6, half_life=half_life)
+
+
 def test_the_cache_evicts_the_least_recently_used(gguf):
-    model = load(gguf, expert_cache="8")[0]
-    cache = model.expert_cache
+    cache = _cache_like(gguf, 8, half_life=0)
     cache.fetch(0, np.arange(6))  # slots 0..5
     cache.fetch(1, np.array([0, 1]))  # slots 6, 7: full
     cache.fetch(0, np.array([0]))  # layer 0's expert 0 becomes the most recent
@@ -112,6 +117,41 @@ def test_the_cache_evicts_the_least_recently_used(gguf):
         cache.fetch(0, np.arange(9))
     with pytest.raises(IndexError, match="out of range"):
         cache.fetch(0, np.array([16]))
+
+
+@pytest.mark.parametrize("half_life, kept", [(0, False), (256, True)])
+def test_the_cache_keeps_what_was_used_most(gguf, half_life, kept):
+    """An expert used 30 times, then 4 times six others, then (12 calls later: past the protected rounds) a miss:
+    by decayed use the 30-times expert stays and one of the six goes; least-recently-used evicts it instead."""
+    cache = _cache_like(gguf, 8, half_life)
+    cache.fetch(1, np.array([0]))  # a ticker, to count calls without touching the rest
+    for _ in range(30):
+        cache.fetch(0, np.array([0]))
+    for _ in range(4):
+        cache.fetch(0, np.arange(1, 7))  # the cache is full
+    for _ in range(2 * len(cache.experts) + 1):
+        cache.fetch(1, np.array([0]))
+    cache.fetch(2, np.array([0]))  # one miss
+    misses = cache.misses
+    cache.fetch(0, np.array([0]))
+    assert (cache.misses == misses) == kept
+    assert cache.stats()["resident"] == 8
+
+
+def test_the_cache_keeps_what_the_last_steps_used(gguf):
+    """An expert used once in the last call outlives experts used 30 times before the protected rounds: tokens
+    repeat the experts of the tokens just before them."""
+    cache = _cache_like(gguf, 8, half_life=256)
+    cache.fetch(1, np.array([0]))
+    for _ in range(30):
+        cache.fetch(0, np.arange(6))
+    for _ in range(2 * len(cache.experts) + 1):
+        cache.fetch(1, np.array([0]))
+    cache.fetch(2, np.array([0]))  # the cache is full
+    cache.fetch(3, np.array([0]))  # one miss
+    misses = cache.misses
+    cache.fetch(2, np.array([0]))
+    assert cache.misses == misses
 
 
 def test_cache_sizes_parse_or_say_what_is_accepted(gguf):
