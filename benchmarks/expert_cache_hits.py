@@ -2,6 +2,7 @@
 
     python benchmarks/expert_cache_hits.py          # 8 layers of V4 Flash's 256 experts, 6 a token
     python benchmarks/expert_cache_hits.py --repeats 0,0.5 --half-lives 0,256 --json cpu_expert_cache_hits.json
+    python benchmarks/expert_cache_hits.py --repeats 0.5 --shares 0.25,0.5 --first 50   # cold vs preloaded starts
 
 The cache itself runs (its eviction, slots and reads) over a scratch file of small Q8_0 experts in the real counts,
 so what it measures is the policy, not the disk. Traffic: in every layer each expert has a popularity drawn from a
@@ -11,7 +12,9 @@ experts from token to token; how often was not measured here) and draws the rest
 to the popularity. ``--half-lives`` are the cache's eviction half-lives (0: least recently used). Decode only: one
 token a step through every layer, ``--warm`` steps before the ``--steps`` counted ones. Reported per case: the hit
 rate, the experts read a token and layer, and what that reads a token over the q2 model's 43 layers (an expert's
-gate, up and down are 7.08 MB there).
+gate, up and down are 7.08 MB there); with ``--first N``, the hit rate over the first N steps of a new start on
+the same traffic, with an empty cache and with one preloaded from the run's use counts (what
+``--ssd-streaming-profile`` gives the next start).
 """
 
 from __future__ import annotations
@@ -59,29 +62,50 @@ def choose(rng: np.random.Generator, p: np.ndarray, k: int, before: np.ndarray |
     return np.concatenate([kept, rng.choice(len(p), k - len(kept), replace=False, p=q / q.sum())])
 
 
+def _decode(cache: ExpertCache, rng: np.random.Generator, probs: list, k: int, repeat: float, steps: int) -> None:
+    """``steps`` decode tokens through every layer of ``cache``."""
+    before: dict[int, np.ndarray | None] = dict.fromkeys(cache.experts)
+    for _ in range(steps):
+        for il, p in zip(cache.experts, probs):
+            before[il] = choose(rng, p, k, before[il], repeat)
+            cache.fetch(il, before[il][None, :])
+
+
 def hit_rate(experts: dict, n_expert: int, k: int, share: float, s: float, steps: int, warm: int,
-             repeat: float = 0.0, half_life: float = 0.0, seed: int = 0) -> dict:  # fmt: skip
-    """Decode ``warm + steps`` tokens through a cache of ``share`` of all experts -> the counted steps' figures."""
+             repeat: float = 0.0, half_life: float = 0.0, first: int = 0, seed: int = 0) -> dict:  # fmt: skip
+    """Decode ``warm + steps`` tokens through a cache of ``share`` of all experts -> the counted steps' figures.
+    ``first``: then the hit rates of the first ``first`` steps of a new start on the same traffic, with an empty
+    cache and with one preloaded from the run's use counts (``--ssd-streaming-profile``)."""
     rng = np.random.default_rng(seed)
     probs = [popularity(rng, n_expert, s) for _ in experts]
     unit = sum(t.expert_bytes for t in next(iter(experts.values())))
-    cache = ExpertCache(experts, int(share * len(experts) * n_expert) * unit, min_slots=k, half_life=half_life)
-    before: dict[int, np.ndarray | None] = dict.fromkeys(experts)
+
+    def new_cache() -> ExpertCache:
+        return ExpertCache(experts, int(share * len(experts) * n_expert) * unit, min_slots=k, half_life=half_life)
+
+    cache = new_cache()
     try:
-        for step in range(warm + steps):
-            if step == warm:
-                hits0, misses0 = cache.hits, cache.misses
-            for il, p in zip(experts, probs):
-                before[il] = choose(rng, p, k, before[il], repeat)
-                cache.fetch(il, before[il][None, :])
+        _decode(cache, rng, probs, k, repeat, warm)
+        hits0, misses0 = cache.hits, cache.misses
+        _decode(cache, rng, probs, k, repeat, steps)
         hits, misses = cache.hits - hits0, cache.misses - misses0
     finally:
         cache.close()
     per_layer = misses / steps / len(experts)
-    return {"zipf_s": s, "repeat": repeat, "half_life": half_life, "cache_share": share, "slots": cache.slots,
-            "hit_rate": round(hits / (hits + misses), 4),
-            "experts_read_per_layer": round(per_layer, 3),
-            "q2_mb_read_per_token": round(per_layer * Q2_LAYERS * Q2_EXPERT_BYTES / 1e6, 1)}
+    row = {"zipf_s": s, "repeat": repeat, "half_life": half_life, "cache_share": share, "slots": cache.slots,
+           "hit_rate": round(hits / (hits + misses), 4), "experts_read_per_layer": round(per_layer, 3),
+           "q2_mb_read_per_token": round(per_layer * Q2_LAYERS * Q2_EXPERT_BYTES / 1e6, 1)}
+    for label, uses in [("cold", None), ("preloaded", cache.uses)] if first else []:
+        start = new_cache()
+        try:
+            if uses is not None:
+                start.uses[:] = uses
+                start.preload()
+            _decode(start, np.random.default_rng(seed + 1), probs, k, repeat, first)
+            row[f"first_{label}"] = round(start.hits / (start.hits + start.misses), 4)
+        finally:
+            start.close()
+    return row
 
 
 def main() -> None:
@@ -95,6 +119,9 @@ def main() -> None:
                     help="chances that a token keeps each expert of the token before it in the same layer")
     ap.add_argument("--half-lives", default=str(DEFAULT_HALF_LIFE),
                     help="the cache's eviction half-lives in decode steps (0: least recently used)")
+    ap.add_argument("--first", type=int, default=0,
+                    help="also the hit rate over the first N steps of a new start, cold and preloaded from the "
+                         "run's use counts")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--warm", type=int, default=1000)
     ap.add_argument("--json", type=Path)
@@ -110,12 +137,14 @@ def main() -> None:
         print(f"{args.layers} layers x {args.experts} experts, {args.k} a token; {args.steps} decode steps after "
               f"{args.warm}")  # fmt: skip
         print(f"{'zipf s':>6} {'repeat':>6} {'half-life':>9} {'cache':>6} {'hit rate':>9} "
-              f"{'read a token and layer':>23} {'q2 MB a token':>14}")
+              f"{'read a token and layer':>23} {'q2 MB a token':>14}"
+              + (f" {'first steps: cold':>18} {'preloaded':>10}" if args.first else ""))
         for s, rep, hl, share in itertools.product(exponents, repeats, half_lives, shares):
-            r = hit_rate(experts, args.experts, args.k, share, s, args.steps, args.warm, rep, hl)
+            r = hit_rate(experts, args.experts, args.k, share, s, args.steps, args.warm, rep, hl, args.first)
             rows.append(r)
+            first = f" {r['first_cold']:>18.3f} {r['first_preloaded']:>10.3f}" if args.first else ""
             print(f"{s:>6} {rep:>6} {hl:>9g} {share:>6.0%} {r['hit_rate']:>9.3f} {r['experts_read_per_layer']:>23.2f} "
-                  f"{r['q2_mb_read_per_token']:>14.0f}", flush=True)
+                  f"{r['q2_mb_read_per_token']:>14.0f}{first}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"layers": args.layers, "experts": args.experts, "k": args.k,
                                          "steps": args.steps, "warm": args.warm, "rows": rows}, indent=1) + "\n")

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench as B
-from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, SsdCacheOpt, SsdStreamingOpt, check_output_file, expert_cache_size, fail, follow, lead,
+from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, SsdCacheOpt, SsdPreloadOpt, SsdProfileOpt, SsdStreamingOpt, check_output_file, expert_streaming, fail, follow, lead,
                          parallel_group)
 from .distributed import Follower
 from .session import DEFAULT_CHUNK
@@ -65,6 +65,8 @@ def bench(
     cache_limit_gb: Optional[float] = typer.Option(None, "--cache-limit-gb", help=CACHE_LIMIT_HELP),
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
+    ssd_streaming_preload_experts: Optional[int] = SsdPreloadOpt,
+    ssd_streaming_profile: Optional[Path] = SsdProfileOpt,
     parallel: Optional[str] = typer.Option(
         None, "--parallel", help="Over the ranks started by mlx.launch: 'pipeline' splits the layers evenly; 'expert' "
         "gives each rank a share of the routed and shared experts, 'tensor' of the attention heads too. Rank 0 "
@@ -76,7 +78,9 @@ def bench(
         return
     if (model is None) == (random_weights is None):
         fail("give exactly one of -m/--model FILE and --random-weights {tiny,full}")
-    expert_cache = expert_cache_size(ssd_streaming, ssd_streaming_cache_experts)
+    streaming = expert_streaming(ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_preload_experts,
+                                 ssd_streaming_profile)
+    expert_cache = streaming.get("expert_cache")
     if expert_cache is not None and model is None:
         fail("--ssd-streaming reads the experts from a file: give -m FILE")
     if random_weights is not None and random_weights not in ("tiny", "full"):
@@ -135,7 +139,7 @@ def bench(
             from .loader import check_expert_cache
 
             try:
-                cache_bytes, routed_bytes = check_expert_cache(model, expert_cache)
+                cache_bytes, routed_bytes = check_expert_cache(model, expert_cache, streaming["expert_profile"])
             except ValueError as e:
                 fail(str(e))
             weights_bytes += cache_bytes - routed_bytes
@@ -167,7 +171,7 @@ def bench(
         from .loader import load
 
         try:
-            m, tok = load(model, numerics, expert_cache=expert_cache, group=group, parallel=parallel or "pipeline")
+            m, tok = load(model, numerics, group=group, parallel=parallel or "pipeline", **streaming)
         except ValueError as e:
             fail(str(e))
     if isinstance(m, Follower):

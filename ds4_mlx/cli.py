@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType
 from rich.console import Console
 from rich.table import Table
 
-from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, ErrorLineGroup, LayersOpt, ParallelOpt, SsdCacheOpt, SsdStreamingOpt, check_output_file,
-                         check_sampling, expert_cache_size, fail, follow, lead, parallel_group, say)
+from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, ErrorLineGroup, LayersOpt, ParallelOpt, SsdCacheOpt, SsdPreloadOpt, SsdProfileOpt, SsdStreamingOpt, check_output_file,
+                         check_sampling, expert_streaming, fail, follow, lead, parallel_group, say)
 from .distributed import Follower
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
 from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate
@@ -206,10 +206,10 @@ def _model_path(model: Optional[Path], demo: bool) -> Path:
     return path
 
 
-def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = None, expert_cache: str | None = None,
+def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = None, streaming: dict | None = None,
           parallel: Optional[str] = None, layers: Optional[str] = None):  # fmt: skip
-    """The model and tokenizer, with a bar for a long load; MLX's memory limits set for its size. ``expert_cache``:
-    stream the routed experts through a cache of this size (:func:`ds4_mlx.cli_common.expert_cache_size`).
+    """The model and tokenizer, with a bar for a long load; MLX's memory limits set for its size. ``streaming``:
+    stream the routed experts (load's keywords from :func:`ds4_mlx.cli_common.expert_streaming`).
     ``parallel``: this rank's part of a model over several ranks (:mod:`ds4_mlx.distributed`); on a rank after
     the first the model is a :class:`~ds4_mlx.distributed.Follower` (see :func:`~ds4_mlx.cli_common.follow`)."""
     from .loader import load
@@ -223,12 +223,13 @@ def _load(model: Optional[Path], demo: bool, cache_limit_gb: Optional[float] = N
     bar = _DelayedBar("loading", bytes_=True)
     progress = None if quiet else lambda stage, done, total: bar(done, total, stage)
     try:
-        m, tok = load(path, progress=progress, expert_cache=expert_cache, group=group, layers=layers,
-                      parallel=parallel or "pipeline")  # fmt: skip
+        m, tok = load(path, progress=progress, group=group, layers=layers, parallel=parallel or "pipeline",
+                      **(streaming or {}))  # fmt: skip
         set_memory_limits(m.weights_bytes, cache_gb=cache_limit_gb)
         if m.expert_cache is not None:
             c = m.expert_cache
-            say(f"streaming the routed experts: a cache of {c.slots} of {c.n_units} ({c.nbytes / 2**30:.2f} GiB)")
+            say(f"streaming the routed experts: a cache of {c.slots} of {c.n_units} ({c.nbytes / 2**30:.2f} GiB)"
+                + (f", {c.preloaded} read at start" if c.preloaded else ""))
         return m, tok
     except ValueError as e:  # a bad --cache-limit-gb or expert cache size
         fail(str(e))
@@ -371,6 +372,8 @@ def generate(
     cache_limit_gb: Optional[float] = CacheLimitOpt,
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
+    ssd_streaming_preload_experts: Optional[int] = SsdPreloadOpt,
+    ssd_streaming_profile: Optional[Path] = SsdProfileOpt,
     parallel: Optional[str] = ParallelOpt,
     layers: Optional[str] = LayersOpt,
 ) -> None:
@@ -397,8 +400,9 @@ def generate(
         return
     mode = _think_mode(think, nothink, think_max, ctx)
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
-    m, tok = _load(model, demo, cache_limit_gb, expert_cache_size(ssd_streaming, ssd_streaming_cache_experts),
-                   parallel, layers)
+    streaming = expert_streaming(ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_preload_experts,
+                                 ssd_streaming_profile)
+    m, tok = _load(model, demo, cache_limit_gb, streaming, parallel, layers)
     if isinstance(m, Follower):
         return follow(m)
     with lead(m):
@@ -487,6 +491,8 @@ def chat(
     cache_limit_gb: Optional[float] = CacheLimitOpt,
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
+    ssd_streaming_preload_experts: Optional[int] = SsdPreloadOpt,
+    ssd_streaming_profile: Optional[Path] = SsdProfileOpt,
     parallel: Optional[str] = ParallelOpt,
     layers: Optional[str] = LayersOpt,
 ) -> None:
@@ -499,8 +505,9 @@ def chat(
     check_sampling(temp, top_p, top_k, min_p)
     mode = _think_mode(think, nothink, think_max, ctx)
     n = tokens or (DEMO_TOKENS if demo else DEFAULT_TOKENS)
-    m, tok = _load(model, demo, cache_limit_gb, expert_cache_size(ssd_streaming, ssd_streaming_cache_experts),
-                   parallel, layers)
+    streaming = expert_streaming(ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_preload_experts,
+                                 ssd_streaming_profile)
+    m, tok = _load(model, demo, cache_limit_gb, streaming, parallel, layers)
     if isinstance(m, Follower):
         return follow(m)
     params = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)

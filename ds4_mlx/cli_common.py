@@ -109,11 +109,27 @@ SsdCacheOpt = typer.Option(
          "of them, or GiB (default 50%; implies --ssd-streaming).")  # fmt: skip
 
 
-def expert_cache_size(ssd_streaming: bool, cache_experts: str | None) -> str | None:
-    """The ``expert_cache`` argument of :func:`ds4_mlx.loader.load` from the two streaming flags (None: resident)."""
-    if cache_experts is not None:
-        return cache_experts
-    return "50%" if ssd_streaming else None
+SsdPreloadOpt = typer.Option(
+    None, "--ssd-streaming-preload-experts", metavar="N", min=0,
+    help="Experts read into the cache at start: the most used in --ssd-streaming-profile first, then expert 0 of "
+         "every layer, expert 1... (default: fill the cache when the profile holds uses, else none; implies "
+         "--ssd-streaming).")  # fmt: skip
+SsdProfileOpt = typer.Option(
+    None, "--ssd-streaming-profile", metavar="FILE",
+    help="Every expert's uses, read at start (created when missing) and kept up to date while the model runs, so "
+         "the next start fills the cache with the experts your traffic uses most (implies --ssd-streaming).")
+
+
+def expert_streaming(ssd_streaming: bool, cache_experts: str | None, preload: int | None = None,
+                     profile: Path | None = None) -> dict:  # fmt: skip
+    """:func:`ds4_mlx.loader.load`'s expert-streaming keywords from the streaming flags (``{}``: the experts stay
+    resident); a profile that cannot be written fails here, before the model loads."""
+    if cache_experts is None and not ssd_streaming and preload is None and profile is None:
+        return {}
+    if profile is not None:
+        check_output_file(profile, "--ssd-streaming-profile")
+    return {"expert_cache": "50%" if cache_experts is None else cache_experts, "expert_preload": preload,
+            "expert_profile": profile}
 
 
 # ---- model parallel (mlx.launch) ------------------------------------------------------------------------------

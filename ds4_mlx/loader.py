@@ -4,6 +4,7 @@ weights, build the model and tokenizer."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,8 @@ def load(
     *,
     progress: Callable[[str, int, int], None] | None = None,
     expert_cache: str | None = None,
+    expert_preload: int | None = None,
+    expert_profile: str | os.PathLike | None = None,
     group: Any = None,
     layers: str | None = None,
     parallel: str = "pipeline",
@@ -34,7 +37,10 @@ def load(
     (``"reading"``, bytes) and, on CUDA, the weights' move to the GPU (``"to device"``, bytes).
 
     ``expert_cache`` (a GGUF only): leave the routed experts in the file and stream them through a device cache
-    of that size (``"N"`` experts, ``"N%"`` of them or ``"NGB"``, see :mod:`ds4_mlx.streaming`).
+    of that size (``"N"`` experts, ``"N%"`` of them or ``"NGB"``, see :mod:`ds4_mlx.streaming`). ``expert_profile``:
+    the cache's use profile (:class:`~ds4_mlx.streaming.ExpertCache`); ``expert_preload``: experts read into the
+    cache before the first token, the profile's most used first (default: fill the cache when the profile holds
+    uses, else none; ``progress`` reports ``"preloading experts"``, bytes).
 
     ``group`` (an ``mx.distributed`` group of several ranks, e.g. ``mx.distributed.init()`` under ``mlx.launch``):
     a layer pipeline (:mod:`ds4_mlx.distributed`). Each rank reads only its layers' tensors: ``layers`` gives
@@ -51,6 +57,8 @@ def load(
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel={parallel!r}: the modes are {', '.join(map(repr, PARALLEL_MODES))}")
     sharded = group is not None and group.size() > 1
+    if expert_cache is None and (expert_preload is not None or expert_profile is not None):
+        raise ValueError("an expert preload or use profile is for streamed experts: give expert_cache too")
     if sharded and expert_cache is not None:
         raise ValueError(f"expert streaming is not available with {parallel} parallel")
     if layers is not None and not (sharded and parallel == "pipeline"):
@@ -81,7 +89,12 @@ def load(
     if expert_cache is not None:
         from .streaming import ExpertCache
 
-        cache = ExpertCache.from_weights(weights, expert_cache, min_slots=config.n_expert_used)
+        cache = ExpertCache.from_weights(weights, expert_cache, min_slots=config.n_expert_used,
+                                         profile=None if expert_profile is None else Path(expert_profile))
+        if expert_preload is None and cache.uses.any():
+            expert_preload = cache.slots
+        if expert_preload:
+            cache.preload(expert_preload, None if progress is None else partial(progress, "preloading experts"))
     model = Model(config, weights, numerics)
     if cache is not None:
         model.stream_experts(cache)
@@ -142,17 +155,20 @@ def _to_device(weights: dict[str, Any], progress: Callable[[str, int, int], None
             progress("to device", done, total)
 
 
-def check_expert_cache(path: str | os.PathLike, size: str) -> tuple[int, int]:
+def check_expert_cache(path: str | os.PathLike, size: str, profile: str | os.PathLike | None = None
+                       ) -> tuple[int, int]:  # fmt: skip
     """Refuse, before any weight is read, an expert cache ``size`` that does not parse or cannot hold a token's
-    experts, or streaming from a converted directory (ValueError; a bad file raises DS4FormatError). Returns
-    (the cache's bytes, the routed experts' bytes in the file)."""
+    experts, a use ``profile`` of another model, or streaming from a converted directory (ValueError; a bad file
+    raises DS4FormatError). Returns (the cache's bytes, the routed experts' bytes in the file)."""
     if Path(path).is_dir():
         raise ValueError(f"{path}: expert streaming reads a GGUF file, not a converted directory")
-    from .streaming import check_cache_size, expert_unit_bytes, parse_cache_size
+    from .streaming import check_cache_size, expert_unit_bytes, parse_cache_size, read_profile
 
     g = open_gguf(path)
     cfg = g.config
     unit, n_units = expert_unit_bytes(g.tensors), cfg.n_layer * cfg.n_expert
     slots = min(parse_cache_size(size, unit, n_units) // unit, n_units)
     check_cache_size(slots, cfg.n_expert_used, unit)
+    if profile is not None:
+        read_profile(Path(profile), list(range(cfg.n_layer)), cfg.n_expert)
     return slots * unit, n_units * unit

@@ -18,6 +18,8 @@ decode-sized call cut into parts runs each part as the whole call, so its launch
 
 from __future__ import annotations
 
+import atexit
+import json
 import math
 import os
 import re
@@ -26,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -46,6 +49,10 @@ DEFAULT_HALF_LIFE = 256.0
 #: Rounds of calls (decode steps) whose experts are evicted last, whatever their score: tokens repeat the experts
 #: of the tokens just before them, which a score built over hundreds of steps would not protect.
 PROTECTED_ROUNDS = 2
+#: The first field of an expert use profile (``--ssd-streaming-profile``).
+PROFILE_FORMAT = "ds4-mlx expert uses 1"
+#: Fetches between two writes of the use profile (a few tokens' worth of decode at 43 layers).
+PROFILE_EVERY = 4096
 
 
 def is_routed_expert(name: str) -> bool:
@@ -126,10 +133,14 @@ class ExpertCache:
         min_slots: experts one call must be able to hold at once (a token's ``k``).
         readers: threads that read experts from the file.
         half_life: decode steps after which a use counts half in the eviction order (0: least recently used).
+        profile: a JSON file of every expert's uses (:func:`read_profile`): read here, and written back with this
+            run's uses added every :data:`PROFILE_EVERY` fetches, at :meth:`close` and at the interpreter's exit,
+            so that a later start can :meth:`preload` the experts its traffic uses most.
     """
 
     @classmethod
-    def from_weights(cls, weights: dict, size: str, *, min_slots: int = 1) -> ExpertCache:
+    def from_weights(cls, weights: dict, size: str, *, min_slots: int = 1, profile: Path | None = None
+                     ) -> ExpertCache:  # fmt: skip
         """The cache of the :class:`StreamedTensor` values in ``weights``, sized by ``size``
         (:func:`parse_cache_size`)."""
         layers: dict[int, dict[str, StreamedTensor]] = {}
@@ -142,10 +153,11 @@ class ExpertCache:
             raise ValueError("expert streaming: the model has no routed experts to stream")
         first = next(iter(experts.values()))
         unit = sum(t.expert_bytes for t in first)
-        return cls(experts, parse_cache_size(size, unit, len(experts) * first[0].shape[0]), min_slots=min_slots)
+        return cls(experts, parse_cache_size(size, unit, len(experts) * first[0].shape[0]), min_slots=min_slots,
+                   profile=profile)
 
     def __init__(self, experts: dict[int, tuple[StreamedTensor, ...]], cap_bytes: int, *, min_slots: int = 1,
-                 readers: int = 8, half_life: float = DEFAULT_HALF_LIFE):  # fmt: skip
+                 readers: int = 8, half_life: float = DEFAULT_HALF_LIFE, profile: Path | None = None):  # fmt: skip
         if not experts:
             raise ValueError("expert streaming: the model has no routed experts to stream")
         self.experts = experts
@@ -179,10 +191,16 @@ class ExpertCache:
         self._score = np.zeros(self.slots)
         self._inc = 1.0
         self._last = np.zeros(self.slots)  # the call that used each slot last (calls count from 1)
+        self.profile = None if profile is None else Path(profile)
+        self._rows = {il: i for i, il in enumerate(experts)}  # a layer's row in ``uses``
+        self.uses = (np.zeros((len(experts), self.n_expert), np.int64) if self.profile is None
+                     else read_profile(self.profile, list(experts), self.n_expert))  # fmt: skip
+        if self.profile is not None:
+            atexit.register(self.save_profile)  # a command's normal end (serve leaves by os._exit: its worker saves)
         self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ds4-expert-read")
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
-        self.hits = self.misses = self.bytes_read = self.calls = 0
+        self.hits = self.misses = self.bytes_read = self.calls = self.preloaded = 0
         self.read_seconds = 0.0
 
     @property
@@ -197,7 +215,7 @@ class ExpertCache:
                 "resident": sum(o is not None for o in self._owner), "experts_total": self.n_units,
                 "calls": self.calls, "hits": self.hits, "misses": self.misses,
                 "hit_rate": round(self.hits / asked, 4) if asked else None, "bytes_read": self.bytes_read,
-                "read_s": round(self.read_seconds, 3)}  # fmt: skip
+                "read_s": round(self.read_seconds, 3), "preloaded": self.preloaded}  # fmt: skip
 
     def describe(self) -> str:
         """The counters in one line (what ``generate`` and ``bench`` print at the end)."""
@@ -237,6 +255,7 @@ class ExpertCache:
             raise IndexError(f"expert streaming: expert id out of range [0, {self.n_expert}) in layer {il}")
         with self._lock:
             self.calls += 1
+            self.uses[self._rows[il], wanted] += 1
             slot_of = {}
             missing = []
             for e in wanted.tolist():
@@ -254,8 +273,13 @@ class ExpertCache:
                         del self._slot_of[old]
                     self._owner[s], self._slot_of[(il, e)], slot_of[e] = (il, e), s, s
                     self._score[s] = 0.0
+                t0 = time.perf_counter()
                 self._load(il, missing, [slot_of[e] for e in missing])
+                self.bytes_read += len(missing) * self.unit_bytes
+                self.read_seconds += time.perf_counter() - t0
             self._use(list(slot_of.values()))
+            if self.calls % PROFILE_EVERY == 0:
+                self.save_profile()
         table = np.zeros(self.n_expert, np.int32)
         table[wanted] = [slot_of[e] for e in wanted.tolist()]
         weights = tuple(QuantWeight(pool, t.qtype, (self.slots, *t.shape[1:]))
@@ -290,17 +314,44 @@ class ExpertCache:
         self._pending.append(out)
         return out
 
+    def preload(self, n: int | None = None, progress: Callable[[int, int], None] | None = None) -> int:
+        """Read ``n`` experts into the empty cache (default: as many as it holds): the most used in :attr:`uses`,
+        then in order, expert 0 of every layer, expert 1... -> how many. ``progress(done, total)`` in bytes. Their
+        scores start below one use, so the traffic soon decides what stays."""
+        if any(o is not None for o in self._owner):
+            raise RuntimeError("expert streaming: preload fills an empty cache")
+        n = self.slots if n is None else max(0, min(n, self.slots))
+        by_use = np.argsort(-self.uses.T, axis=None, kind="stable")[:n]  # index e * layers + row
+        rows, picked = by_use % len(self.experts), by_use // len(self.experts)
+        weight = self.uses.T.ravel()[by_use] / max(int(self.uses.max()), 1)
+        done, slot = 0, 0
+        for il, row in self._rows.items():
+            experts = picked[rows == row].tolist()
+            slots = list(range(slot, slot + len(experts)))
+            for e, s, w in zip(experts, slots, weight[rows == row].tolist()):
+                self._owner[s], self._slot_of[(il, e)], self._score[s] = (il, e), s, w
+            if experts:
+                self._load(il, experts, slots)
+            slot += len(experts)
+            done += len(experts) * self.unit_bytes
+            if progress is not None:
+                progress(done, n * self.unit_bytes)
+        self.preloaded += n
+        return n
+
+    def save_profile(self) -> None:
+        """Write :attr:`uses` to the profile file, if there is one (whole or not at all)."""
+        if self.profile is not None:
+            write_profile(self.profile, list(self.experts), self.uses)
+
     def _load(self, il: int, experts: list[int], slots: list[int]) -> None:
         """Read ``experts`` of layer ``il`` from the file into ``slots`` of the pools."""
-        t0 = time.perf_counter()
         jobs = [(i, t, e, s) for i, t in enumerate(self.experts[il]) for e, s in zip(experts, slots)]
         for i, t, blob, slot in self._readers.map(lambda job: (*job[:2], self._read(*job), job[3]), jobs):
             if blob is not None:  # a slice update a slot, in place: the pools' buffers are their only references
                 np_dtype, mx_dtype = storage_dtypes(t.qtype)
                 self.pools[i][slot] = mx.array(np.frombuffer(blob, np_dtype).reshape(t.storage_shape)).view(mx_dtype)
         mx.eval(self.pools)
-        self.bytes_read += len(experts) * self.unit_bytes
-        self.read_seconds += time.perf_counter() - t0
 
     def _read(self, i: int, t: StreamedTensor, e: int, slot: int) -> bytes | None:
         """Expert ``e`` of ``t`` (pool ``i``): into its slot where the pool is host memory (None), else its bytes."""
@@ -324,10 +375,36 @@ class ExpertCache:
         return fd
 
     def close(self) -> None:
+        self.save_profile()
         self._readers.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def read_profile(path: Path, layers: list[int], n_expert: int) -> np.ndarray:
+    """Every expert's uses ``[len(layers), n_expert]`` from a profile :class:`ExpertCache` wrote (zeros while the
+    file does not exist yet); ValueError when the file is not one, or is another model's."""
+    if not path.exists():
+        return np.zeros((len(layers), n_expert), np.int64)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        uses = np.array(data["uses"], dtype=np.int64)
+        ok = data["format"] == PROFILE_FORMAT
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not an expert use profile ({e})") from None
+    if not ok or data.get("layers") != layers or uses.shape != (len(layers), n_expert) or (uses < 0).any():
+        raise ValueError(f"{path}: not an expert use profile of this model ({len(layers)} streamed layers of "
+                         f"{n_expert} experts)")  # fmt: skip
+    return uses
+
+
+def write_profile(path: Path, layers: list[int], uses: np.ndarray) -> None:
+    """Write a use profile :func:`read_profile` reads; a write cut short leaves the previous file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"format": PROFILE_FORMAT, "layers": layers, "uses": uses.tolist()}) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _host_view(pool: mx.array) -> np.ndarray | None:

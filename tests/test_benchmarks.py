@@ -222,8 +222,11 @@ def test_expert_cache_hits_follow_the_cache_share(tmp_path):
     assert rows[0.0, 0.5]["experts_read_per_layer"] == pytest.approx(4 * (1 - rows[0.0, 0.5]["hit_rate"]), abs=0.01)
     # tokens that repeat their neighbours' experts hit more; decayed use beats least-recently-used on skewed routing
     run_script("expert_cache_hits", "--layers", 2, "--experts", 32, "-k", 4, "--shares", "0.25", "--zipf", "1.4",
-               "--repeats", "0,0.5", "--half-lives", "0,256", "--steps", 150, "--warm", 150, "--json", out)  # fmt: skip
-    rate = {(r["repeat"], r["half_life"]): r["hit_rate"] for r in json.loads(out.read_text())["rows"]}
+               "--repeats", "0,0.5", "--half-lives", "0,256", "--steps", 150, "--warm", 150, "--first", 20, "--json",
+               out)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["first_preloaded"] > r["first_cold"] for r in rows)  # a start from the use profile hits more
+    rate = {(r["repeat"], r["half_life"]): r["hit_rate"] for r in rows}
     assert rate[0.5, 0.0] > rate[0.0, 0.0] + 0.1 and rate[0.5, 256.0] > rate[0.0, 256.0] + 0.1
     assert rate[0.0, 256.0] > rate[0.0, 0.0] + 0.02 and rate[0.5, 256.0] > rate[0.5, 0.0] + 0.02
 

@@ -17,7 +17,7 @@ from ds4_mlx.generate import decode_tokens
 from ds4_mlx.loader import check_expert_cache, load
 from ds4_mlx.sampling import GREEDY_PARAMS, Sampler
 from ds4_mlx.session import Session
-from ds4_mlx.streaming import ExpertCache, parse_cache_size
+from ds4_mlx.streaming import ExpertCache, parse_cache_size, read_profile, write_profile
 from kernel_util import BACKEND, kernel_backend_set, needs_gpu
 
 TOKENS = np.random.default_rng(0).integers(2, 500, 90).tolist()
@@ -154,6 +154,52 @@ def test_the_cache_keeps_what_the_last_steps_used(gguf):
     assert cache.misses == misses
 
 
+def test_a_use_profile_fills_the_next_start_with_the_most_used_experts(gguf, resident_logits, tmp_path):
+    """A run with a profile counts every expert's uses and writes them; a start with that profile reads the most
+    used into the cache first (its logits still the resident model's); the counts add up over runs."""
+    profile = tmp_path / "uses.json"
+    model = load(gguf, expert_cache="12", expert_profile=profile)[0]
+    assert model.expert_cache.stats()["preloaded"] == 0 and not profile.exists()  # nothing used yet
+    _logits(model, [30, 60])
+    first = model.expert_cache
+    first.close()
+    uses = read_profile(profile, list(first.experts), first.n_expert)
+    assert np.array_equal(uses, first.uses) and uses.sum() == first.hits + first.misses > 0  # each expert asked for
+
+    model = load(gguf, expert_cache="12", expert_profile=profile)[0]
+    cache = model.expert_cache
+    assert cache.stats()["preloaded"] == 12 and cache.stats()["resident"] == 12 and cache.misses == 0
+    rows, experts = np.unravel_index(np.argsort(-uses, axis=None, kind="stable")[:12], uses.shape)
+    for row, e in zip(rows, experts):  # the 12 most used are the ones resident
+        cache.fetch(list(cache.experts)[row], np.array([e]))
+    assert cache.misses == 0 and cache.hits == 12
+    np.testing.assert_array_equal(_logits(model, [30, 60]), resident_logits([30, 60]))
+    cache.close()
+    assert read_profile(profile, list(cache.experts), cache.n_expert).sum() > uses.sum()
+
+    preset = load(gguf, expert_cache="12", expert_preload=5)[0].expert_cache  # no profile: expert 0 of each layer
+    for il in list(preset.experts)[:5]:
+        preset.fetch(il, np.array([0]))
+    assert preset.stats()["preloaded"] == 5 and preset.misses == 0
+
+
+def test_a_use_profile_of_another_model_is_a_clear_error(gguf, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not an expert use profile"):
+        load(gguf, expert_cache="6", expert_profile=bad)
+    other = tmp_path / "other.json"
+    write_profile(other, [0, 1], np.ones((2, 16), np.int64))
+    with pytest.raises(ValueError, match=r"not an expert use profile of this model \(6 streamed layers of 16"):
+        check_expert_cache(gguf, "6", other)
+    with pytest.raises(ValueError, match="for streamed experts"):
+        load(gguf, expert_preload=3)
+    r = _cli("generate", "-m", str(gguf), "-p", "hi", "-n", "2", "--ssd-streaming-profile", str(other))
+    assert r.returncode == 2 and "not an expert use profile of this model" in r.stderr
+    r = _cli("serve", "-m", str(gguf), "--ssd-streaming-profile", str(tmp_path / "no" / "uses.json"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
 def test_cache_sizes_parse_or_say_what_is_accepted(gguf):
     assert parse_cache_size("12", 100, 96) == 1200
     assert parse_cache_size("50%", 100, 96) == 4800
@@ -191,6 +237,11 @@ def test_the_command_line_refuses_bad_streaming_flags(gguf, tmp_path):
     assert r.returncode == 2 and "expected a number of experts" in r.stderr
     r = _cli("generate", "-m", str(gguf), "-p", "hi", "-n", "3", "--ssd-streaming-cache-experts", "12")
     assert r.returncode == 0 and "streamed experts:" in r.stderr and "hit rate" in r.stderr
+    profile = tmp_path / "uses.json"
+    for _ in range(2):  # the second start reads the first one's most used experts
+        r = _cli("generate", "-m", str(gguf), "-p", "hi", "-n", "3", "--ssd-streaming-profile", str(profile))
+        assert r.returncode == 0 and profile.exists()
+    assert "48 of 96 (" in r.stderr and "48 read at start" in r.stderr
 
 
 def test_serve_reports_the_streamed_experts(gguf):

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from ..chat import ThinkMode
-from ..cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, LayersOpt, ParallelOpt, SsdCacheOpt, SsdStreamingOpt, check_sampling, expert_cache_size,
+from ..cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, LayersOpt, ParallelOpt, SsdCacheOpt, SsdPreloadOpt, SsdProfileOpt, SsdStreamingOpt, check_sampling, expert_streaming,
                           parallel_group)
 from ..kvstore import CachePolicy
 from ..session import DEFAULT_CHUNK
@@ -40,14 +40,14 @@ def _tracer(path: Path | None) -> Callable[[str], None] | None:
 
 
 def model_loader(path: Path, ctx: int, chunk: int | None = None, cache_limit_gb: float | None = None,
-                 expert_cache: str | None = None, group: Any = None, parallel: str | None = None,
+                 streaming: dict | None = None, group: Any = None, parallel: str | None = None,
                  layers: str | None = None) -> Callable[[], tuple[Any, Any]]:  # fmt: skip
     """A loader for the worker thread: ``load(path)`` -> a live :class:`Session` and the tokenizer. The session's
     KV buffers are sized for ``ctx`` tokens, as ds4 sizes its KV for ``--ctx``: within the context they never
     grow, so no generation stops for a buffer copy, a retrace and (on GPUs) kernel JITs at the new shapes.
     ``chunk``: the prefill chunk (default the session's); MLX's buffer cache is limited for the model's size
-    (:func:`~ds4_mlx.memory.set_memory_limits`, ``cache_limit_gb`` to choose); ``expert_cache``: stream the
-    routed experts through a cache of that size (:func:`~ds4_mlx.loader.load`). ``group``, ``parallel``,
+    (:func:`~ds4_mlx.memory.set_memory_limits`, ``cache_limit_gb`` to choose); ``streaming``: stream the
+    routed experts (load's keywords, :func:`~ds4_mlx.cli_common.expert_streaming`). ``group``, ``parallel``,
     ``layers``: rank 0's part of a model over several ranks, which drives the others (:mod:`ds4_mlx.distributed`)."""
 
     def load():
@@ -55,8 +55,8 @@ def model_loader(path: Path, ctx: int, chunk: int | None = None, cache_limit_gb:
         from ..memory import set_memory_limits
         from ..session import DEFAULT_CHUNK, Session
 
-        model, tokenizer = load_gguf(path, expert_cache=expert_cache, group=group, parallel=parallel or "pipeline",
-                                     layers=layers)  # fmt: skip
+        model, tokenizer = load_gguf(path, group=group, parallel=parallel or "pipeline", layers=layers,
+                                     **(streaming or {}))  # fmt: skip
         if tokenizer is None:
             raise RuntimeError(f"{path}: no usable tokenizer in the GGUF")
         set_memory_limits(model.weights_bytes, cache_gb=cache_limit_gb)
@@ -167,6 +167,8 @@ def serve(
     cache_limit_gb: Optional[float] = typer.Option(None, "--cache-limit-gb", help=CACHE_LIMIT_HELP),
     ssd_streaming: bool = SsdStreamingOpt,
     ssd_streaming_cache_experts: Optional[str] = SsdCacheOpt,
+    ssd_streaming_preload_experts: Optional[int] = SsdPreloadOpt,
+    ssd_streaming_profile: Optional[Path] = SsdProfileOpt,
     batched_session: int = typer.Option(1, "--batched-session", help="Live sessions served at once, each with its "
                                         "own KV state; their decode steps run as one batch (0 = as many as memory "
                                         "holds at --ctx, at most 8; 1 = one request at a time)."),
@@ -218,11 +220,13 @@ def serve(
         from ..mlx_dir import check_model
 
         cfg = check_model(model)  # a GGUF file or a directory written by `ds4-mlx convert`
-        expert_cache = expert_cache_size(ssd_streaming, ssd_streaming_cache_experts)
+        streaming = expert_streaming(ssd_streaming, ssd_streaming_cache_experts, ssd_streaming_preload_experts,
+                                     ssd_streaming_profile)
+        expert_cache = streaming.get("expert_cache")
         if expert_cache is not None:
             from ..loader import check_expert_cache
 
-            check_expert_cache(model, expert_cache)
+            check_expert_cache(model, expert_cache, streaming["expert_profile"])
     except (DS4FormatError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
@@ -245,7 +249,7 @@ def serve(
             typer.echo(f"error: {e} (lower --batched-session or --ctx)", err=True)
             raise typer.Exit(2)
     try:
-        run_server(model_loader(model, ctx, prefill_chunk, cache_limit_gb, expert_cache, group, parallel, layers),
+        run_server(model_loader(model, ctx, prefill_chunk, cache_limit_gb, streaming, group, parallel, layers),
                    host=host, port=port, ctx=ctx, default_max_tokens=tokens,
                    default_mode=ThinkMode(think), sampling=GenParams(temp, top_p, top_k, min_p), api_key=api_key,
                    cors=cors, trace=trace, keepalive=keepalive, any_model=any_model,

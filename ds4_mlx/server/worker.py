@@ -369,6 +369,8 @@ class Worker:
                 job.post("error", 503, "server shutting down")
         for slot in self.slots:
             self._save_live(slot, "shutdown", slot.bindings.get("responses"))
+        if (cache := self._expert_cache()) is not None:
+            cache.save_profile()  # the process leaves by os._exit, past the cache's own exit hook
         release = getattr(getattr(self.session, "model", None), "close", None)
         if release is not None:  # a model over several ranks: the others stop following
             release()
@@ -610,8 +612,11 @@ class Worker:
 
     def expert_stats(self) -> dict | None:
         """The streamed experts' cache counters (``--ssd-streaming``), or None when the experts are resident."""
-        cache = getattr(getattr(self.session, "model", None), "expert_cache", None)  # no model: a test's fake session
+        cache = self._expert_cache()
         return cache.stats() if cache is not None else None
+
+    def _expert_cache(self):
+        return getattr(getattr(self.session, "model", None), "expert_cache", None)  # no model: a test's fake session
 
     # -- live protocol bindings (§5.3) ----------------------------------------------------------------------
     def live_call_ids(self, kind: str) -> frozenset[str]:
