@@ -177,6 +177,11 @@ def test_a_use_profile_fills_the_next_start_with_the_most_used_experts(gguf, res
     cache.close()
     assert read_profile(profile, list(cache.experts), cache.n_expert).sum() > uses.sum()
 
+    profile.unlink()
+    profile.mkdir()  # a profile that can no longer be written: the model runs on, with a warning
+    with pytest.warns(UserWarning, match="could not be written"):
+        cache.close()
+
     preset = load(gguf, expert_cache="12", expert_preload=5)[0].expert_cache  # no profile: expert 0 of each layer
     for il in list(preset.experts)[:5]:
         preset.fetch(il, np.array([0]))
