@@ -287,7 +287,7 @@ class Worker:
         if prefill_quantum < 1:
             raise ValueError(f"the prefill quantum must be a positive token count, got {prefill_quantum}")
         self._load = load
-        self.lag = lag  # decode steps queued ahead of the id read back (decode_tokens; 0 = synchronous)
+        self.lag = lag  # steps queued ahead of the id read back (decode_tokens; batched: one; 0 = synchronous)
         self.ctx = ctx
         self.n_sessions, self.prefill_quantum = sessions, prefill_quantum
         self.default_max_tokens = default_max_tokens
