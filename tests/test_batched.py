@@ -95,6 +95,24 @@ def test_batched_decode_on_the_kernels_equals_each_session_alone(model):
         model.set_compile_decode(True)
 
 
+def test_batched_steps_of_streamed_experts_equal_the_resident_models(model, tiny_gguf):
+    """``serve --batched-session N --ssd-streaming``: two sessions stepped together through a 12-expert cache give
+    the resident model's logits, step by step, and the ids drawn from them."""
+    streamed = load(tiny_gguf(), expert_cache="12")[0]
+    prompts = [[0, 5, 6, 7], [0] + list(range(40, 70))]
+    resident, batched = [Session(model) for _ in prompts], [Session(streamed) for _ in prompts]
+    for r, b, p in zip(resident, batched, prompts):
+        r.prefill(p)
+        b.prefill(p)
+    for step in range(4):
+        want = [np.array(s.step(t)) for s, t in zip(resident, (11 + step, 20 + step))]
+        got = step_batch(batched, [11 + step, 20 + step])
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.array(g), w)
+    ids, _ = sample_and_step(batched, [(Sampler(GREEDY_PARAMS), GREEDY_PARAMS) for _ in batched])
+    assert ids == [int(np.argmax(w)) for w in want] and streamed.expert_cache.stats()["misses"] > 12
+
+
 def test_step_batch_refuses_what_it_cannot_step(model):
     a, b = Session(model), Session(model)
     a.prefill([0, 5])
