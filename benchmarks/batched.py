@@ -5,12 +5,13 @@ first token of a new prompt prefilled in quanta while other sessions decode.
                                  [--ttft-prompt N] [--ttft-decoders N] [--quantum N] [--wait] [--csv FILE]
 
 Decode: B sessions, each holding the same ``--ctx`` tokens (one prefill, restored into each), run ``--steps``
-steps of one model call for all B, each session's id drawn greedily on the device and read back by the host, in
-the loop the batched server runs (:func:`~ds4_mlx.generate.sample_and_step`: each step queued while the host reads
-the ids of the one before; ``--wait`` awaits every step before the next is built). Reported per B: aggregate and per-session tokens/s and
-their ratio to B = 1. TTFT: ``--ttft-decoders`` sessions decode while a new session prefills ``--ttft-prompt``
-tokens, ``--quantum`` tokens between two of their steps (the server's scheduler): the new prompt's time to first
-token against its prefill alone, and the decoders' inter-token latency meanwhile. ``--csv`` writes both tables.
+steps of one model call for all B, each session's id drawn greedily on the device, in the loop the batched server
+runs (:func:`~ds4_mlx.generate.sample_and_step`: a step is queued before the host reads the ids it takes, so the
+host's work overlaps the device's; ``--wait`` awaits every step). Reported per B: aggregate and per-session
+tokens/s and their ratio to B = 1. TTFT: ``--ttft-decoders`` sessions decode while a new session prefills
+``--ttft-prompt`` tokens, ``--quantum`` tokens between two of their steps (the server's scheduler): the new
+prompt's time to first token against its prefill alone, and the decoders' inter-token latency meanwhile. ``--csv``
+writes both tables.
 """
 
 from __future__ import annotations

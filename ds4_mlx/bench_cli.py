@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from . import bench as B
-from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, SsdCacheOpt, SsdPreloadOpt, SsdProfileOpt, SsdStreamingOpt, check_output_file, expert_streaming, fail, follow, lead,
-                         parallel_group)
+from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, SsdCacheOpt, SsdPreloadOpt, SsdProfileOpt,
+                         SsdStreamingOpt, check_output_file, expert_streaming, fail, follow, lead, parallel_group)
 from .distributed import Follower
 from .session import DEFAULT_CHUNK
 

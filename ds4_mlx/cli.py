@@ -18,8 +18,9 @@ from gguf import GGMLQuantizationType
 from rich.console import Console
 from rich.table import Table
 
-from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, ErrorLineGroup, LayersOpt, ParallelOpt, SsdCacheOpt, SsdPreloadOpt, SsdProfileOpt, SsdStreamingOpt, check_output_file,
-                         check_sampling, expert_streaming, fail, follow, lead, parallel_group, say)
+from .cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, ErrorLineGroup, LayersOpt, ParallelOpt, SsdCacheOpt,
+                         SsdPreloadOpt, SsdProfileOpt, SsdStreamingOpt, check_output_file, check_sampling,
+                         expert_streaming, fail, follow, lead, parallel_group, say)
 from .distributed import Follower
 from .chat import DEFAULT_SYSTEM, ThinkMode, repl_prefix_tokens, repl_turn_tokens, resolve_think_mode
 from .generate import DEFAULT_CTX, prompt_tokens, stats_text, stream_generate

@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional
 import typer
 
 from ..chat import ThinkMode
-from ..cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, LayersOpt, ParallelOpt, SsdCacheOpt, SsdPreloadOpt, SsdProfileOpt, SsdStreamingOpt, check_sampling, expert_streaming,
-                          parallel_group)
+from ..cli_common import (CACHE_LIMIT_HELP, PREFILL_CHUNK_HELP, LayersOpt, ParallelOpt, SsdCacheOpt, SsdPreloadOpt,
+                          SsdProfileOpt, SsdStreamingOpt, check_sampling, expert_streaming, parallel_group)
 from ..kvstore import CachePolicy
 from ..session import DEFAULT_CHUNK
 from .common import DEFAULT_MAX_BODY_MB
