@@ -70,12 +70,12 @@ def test_streamed_logits_equal_the_resident_models(gguf, resident_logits, size, 
 
 @needs_gpu
 def test_streamed_chunks_on_the_kernels(gguf, resident):
-    """The grouped prefill kernels (the GPU's, or their CUDA text on the CPU) on the pools, a 20-token chunk in spans
-    of tokens whose experts fit in 6 slots: the resident model's logits."""
+    """The grouped prefill kernels (the GPU's, or their CUDA text on the CPU) on the pools, a 10-token chunk (past
+    the 8 of a decode-sized call) in spans of tokens whose experts fit in 6 slots: the resident model's logits."""
     model = load(gguf, expert_cache="6")[0]
     with kernel_backend_set(BACKEND):
-        want = np.array(resident(TOKENS[:20], 0, resident.make_cache(), all_logits=True))
-        got = np.array(model(TOKENS[:20], 0, model.make_cache(), all_logits=True))
+        want = np.array(resident(TOKENS[:10], 0, resident.make_cache(), all_logits=True))
+        got = np.array(model(TOKENS[:10], 0, model.make_cache(), all_logits=True))
     np.testing.assert_array_equal(got, want)
     assert model.expert_cache.stats()["calls"] > len(model.layers)  # some layer ran in several spans
 
