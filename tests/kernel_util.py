@@ -120,7 +120,12 @@ def nvcc_compile(source: str | list[str], tmp_path: Path, name: str = "cuda") ->
         cmd = [nvcc, "-arch=sm_90", "-std=c++17", "-c", str(tu), "-o", str(tu.with_suffix(".o")), "-Xptxas", "-v"]
         log = tu.with_suffix(".log").open("w+")  # a file, not a pipe: a full pipe would stall the unit beside it
         runs.append((cmd, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log))
-    codes = [p.wait(timeout=600) for _, p, _ in runs]
+    try:
+        codes = [p.wait(timeout=600) for _, p, _ in runs]
+    finally:  # a unit past its time is stopped, as subprocess.run stops one
+        for _, p, _ in runs:
+            if p.poll() is None:
+                p.kill()
     text = ""
     for _, _, log in runs:
         log.seek(0)
