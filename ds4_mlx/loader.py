@@ -89,8 +89,7 @@ def load(
     if expert_cache is not None:
         from .streaming import ExpertCache
 
-        cache = ExpertCache.from_weights(weights, expert_cache, min_slots=config.n_expert_used,
-                                         profile=None if expert_profile is None else Path(expert_profile))
+        cache = ExpertCache.from_weights(weights, expert_cache, min_slots=config.n_expert_used, profile=expert_profile)
         if expert_preload is None and cache.uses.any():
             expert_preload = cache.slots
         if expert_preload:

@@ -140,8 +140,8 @@ class ExpertCache:
     """
 
     @classmethod
-    def from_weights(cls, weights: dict, size: str, *, min_slots: int = 1, profile: Path | None = None
-                     ) -> ExpertCache:  # fmt: skip
+    def from_weights(cls, weights: dict, size: str, *, min_slots: int = 1,
+                     profile: str | os.PathLike | None = None) -> ExpertCache:  # fmt: skip
         """The cache of the :class:`StreamedTensor` values in ``weights``, sized by ``size``
         (:func:`parse_cache_size`)."""
         layers: dict[int, dict[str, StreamedTensor]] = {}
@@ -158,7 +158,8 @@ class ExpertCache:
                    profile=profile)
 
     def __init__(self, experts: dict[int, tuple[StreamedTensor, ...]], cap_bytes: int, *, min_slots: int = 1,
-                 readers: int = 8, half_life: float = DEFAULT_HALF_LIFE, profile: Path | None = None):  # fmt: skip
+                 readers: int = 8, half_life: float = DEFAULT_HALF_LIFE,
+                 profile: str | os.PathLike | None = None):  # fmt: skip
         if not experts:
             raise ValueError("expert streaming: the model has no routed experts to stream")
         self.experts = experts
