@@ -10,10 +10,11 @@ the experts of the last decode steps kept: :data:`DEFAULT_HALF_LIFE`), and the c
 resident model on the pools, with its expert ids mapped to slots. Each pair's product reads the same bytes in the
 same order, so the results equal the resident model's.
 
-The host has to know the chosen experts before it reads them, so a streamed MoE waits for its router: decode
-steps run op by op (not compiled), and reads do not overlap the device's work. A chunk whose tokens choose more
-experts than the cache holds runs in parts that fit (:meth:`ExpertCache.spans`, :meth:`ExpertCache.groups`); a
-decode-sized call cut into parts runs each part as the whole call, so its launches keep the resident model's shapes.
+The host has to know the chosen experts before it reads them, so a streamed MoE waits for its router: a decode
+step runs each layer up to its router as one compiled function, then the experts once they are resident, and
+reads do not overlap the device's work. A chunk whose tokens choose more experts than the cache holds runs in parts
+that fit (:meth:`ExpertCache.spans`, :meth:`ExpertCache.groups`); a decode-sized call cut into parts runs each part
+as the whole call, so its launches keep the resident model's shapes.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ class Block:
 
         self.compile_decode = True  # Model.set_compile_decode
         self._steps: dict[DecodeKey, Callable] = {}
+        self._routed_steps: dict[DecodeKey, Callable] = {}  # streamed experts: the step up to the router
         self._batch_steps: dict[tuple[DecodeKey, ...], Callable] = {}  # Block.decode_batch's, by the B keys
 
     def __call__(self, S: mx.array, tokens: mx.array, pos: int, cache: LayerCache) -> mx.array:
@@ -72,11 +73,27 @@ class Block:
         less), and after the last layer in :meth:`Model.decode_head`.
         """
         key, io = self.attn.decode_inputs(pos, cache)
-        carry, st = self._step_fn(key)(carry, tokens, cache.decode_state(), io)
+        if self.ffn.streamed is None:
+            carry, st = self._step_fn(key)(carry, tokens, cache.decode_state(), io)
+        else:  # the host reads the router's choice between the two parts
+            (S, n, post, comb, nq, sel, w), st = self._compiled(self._routed_steps, self._routed_step, key)(
+                carry, tokens, cache.decode_state(), io)
+            carry = (S, self.ffn.streamed_experts(n, sel, w, nq), post, comb)
         cache.take_decode_state(st, key)
         return carry
 
     def _step(self, key: DecodeKey, carry: tuple, tokens: mx.array, st: dict, io: dict) -> tuple[tuple, dict]:
+        (S, n, post, comb, nq), st = self._attention_step(key, carry, st, io)
+        return (S, self.ffn.forward(n, tokens, nq), post, comb), st
+
+    def _routed_step(self, key: DecodeKey, carry: tuple, tokens: mx.array, st: dict, io: dict
+                     ) -> tuple[tuple, dict]:  # fmt: skip
+        """:meth:`_step` up to the MoE's router: its experts are read from the file before they run."""
+        (S, n, post, comb, nq), st = self._attention_step(key, carry, st, io)
+        return (S, n, post, comb, nq, *self.ffn.route(n, tokens)), st
+
+    def _attention_step(self, key: DecodeKey, carry: tuple, st: dict, io: dict) -> tuple[tuple, dict]:
+        """HC pre, attention and HC post, then the MoE's HC pre -> ``((S, n, post, comb, nq), st)``."""
         if len(carry) == 1:
             S = carry[0]
             n, post, comb = hc_pre(S, *self.hc_attn, self.cfg, norm=self.attn.attn_norm, cols=True)
@@ -87,7 +104,7 @@ class Block:
         y, st = self.attn.decode(n, st, io, key)
         S, n, post, comb, nq = hc_post_pre(S, y, post, comb, *self.hc_ffn, self.cfg, norm=self.ffn.ffn_norm,
                                            quantize=self.ffn.quantized_x, cols=True)  # fmt: skip
-        return (S, self.ffn.forward(n, tokens, nq), post, comb), st
+        return (S, n, post, comb, nq), st
 
     def decode_batch(self, S: mx.array, tokens: mx.array, positions: Sequence[int],
                      caches: Sequence[LayerCache]) -> mx.array:  # fmt: skip
@@ -116,7 +133,7 @@ class Block:
         products of several tokens (larger batches, the CPU's expert gather) read ids on the host, which a
         compiled function cannot."""
         if not (all(k.static for k in keys) and self.compile_decode and len(keys) <= MV_MAX_TOKENS
-                and kernel_backend() != "fallback"):
+                and kernel_backend() != "fallback" and self.ffn.streamed is None):
             return partial(self._step_batch, keys)
         fn = self._batch_steps.get(keys)
         if fn is None:
@@ -129,11 +146,15 @@ class Block:
         """The step for ``key``, compiled once the raw window is full (before that its shapes change every
         token). Compiling removes the Python graph building from every step and fuses the elementwise chains:
         decode is host-bound (benchmarks/RESULTS.md)."""
+        return self._compiled(self._steps, self._step, key)
+
+    def _compiled(self, kept: dict[DecodeKey, Callable], step: Callable, key: DecodeKey) -> Callable:
+        """``step`` for ``key``, compiled (and kept in ``kept``) as :meth:`_step_fn` says."""
         if not (key.static and self.compile_decode):
-            return partial(self._step, key)
-        fn = self._steps.get(key)
+            return partial(step, key)
+        fn = kept.get(key)
         if fn is None:
-            fn = self._steps[key] = mx.compile(partial(self._step, key))
+            fn = kept[key] = mx.compile(partial(step, key))
         return fn
 
 
@@ -187,12 +208,12 @@ class Model:
 
     def stream_experts(self, cache: Any) -> None:
         """Run the routed experts from ``cache`` (a :class:`ds4_mlx.streaming.ExpertCache` of this model's file)
-        instead of resident weights. A streamed MoE waits for its router on the host, so decode steps run op by op."""
+        instead of resident weights. A streamed MoE waits for its router on the host, so a decode step runs each
+        layer in two parts: up to the router (compiled), then the experts once they are resident."""
         for layer in self.layers:
             layer.ffn.streamed = cache
         self.expert_cache = cache
         self.weights_bytes += cache.nbytes
-        self.set_compile_decode(False)
 
     def shard(self, group: Any, cut: Callable[[str], tuple[int, range] | None]) -> None:
         """Expert or tensor parallel (:mod:`ds4_mlx.distributed`): this rank holds the tensors cut by ``cut``
@@ -212,6 +233,7 @@ class Model:
         for layer in self.layers:
             layer.compile_decode = on
             layer._steps.clear()
+            layer._routed_steps.clear()
             layer._batch_steps.clear()
         self._decode_head = mx.compile(self.decode_head) if on else self.decode_head
 

@@ -136,7 +136,7 @@ class MoE:
         quantized by HC pre (:attr:`quantized_x`), or None. In the decode step both may be one token's
         :class:`~ds4_mlx.kernels.Cols` of HC pre's output row."""
         if self.streamed is not None:
-            return self._forward_streamed(n, tokens, nq)
+            return self.streamed_experts(n, *self.route(n, tokens), nq)
         if self.group is not None:
             return self._forward_sharded(n, tokens)
         sel, w = self.route(n, tokens, packed=True)  # w None: sel is the router's one packed output
@@ -174,12 +174,11 @@ class MoE:
         routed = self.routed(n, mx.where(here, sel - e0, 0), mx.where(here, w, 0.0), add=self.shared(n))
         return mx.distributed.all_sum(routed, group=self.group)
 
-    def _forward_streamed(self, n, tokens: mx.array, nq) -> mx.array:
-        """:meth:`forward` with the routed experts read on demand (:mod:`ds4_mlx.streaming`): the host waits for
-        the router and makes the chosen experts resident, then they run where they sit. A chunk that chooses more
-        experts than the cache holds runs in parts that fit, cut so that every product keeps the resident
-        model's shape and path (so its rounding)."""
-        sel, w = self.route(n, tokens)
+    def streamed_experts(self, n, sel: mx.array, w: mx.array, nq=None) -> mx.array:
+        """The routed experts ``sel`` (weights ``w``, the router's output) and the shared expert of ``n``, the
+        routed ones read from the file: the host waits for ``sel`` and makes the chosen experts resident, then
+        they run where they sit. A chunk that chooses more experts than the cache holds runs in parts that fit,
+        cut so that every product keeps the resident model's shape and path (so its rounding)."""
         ids = np.array(sel)  # which experts to read: the router's output, on the host
         if len(np.unique(ids)) <= self.streamed.slots:
             weights, slots = self.streamed.fetch(self.il, ids)
