@@ -177,6 +177,9 @@ class ExpertCache:
         self.templates = first
         self.pools = [mx.zeros((self.slots, *t.storage_shape), dtype=storage_dtypes(t.qtype)[1]) for t in first]
         mx.eval(self.pools)
+        # the pools as ``[slots, out, in]`` weights, made once: a decode step fetches 43 times
+        self.weights = tuple(QuantWeight(pool, t.qtype, (self.slots, *t.shape[1:]))
+                             for pool, t in zip(self.pools, first))  # fmt: skip
         # The reads land in the pools themselves (numpy views of their memory, no copy) where the host may write
         # that memory: on the CPU, and under MLX-CUDA, whose buffers are CUDA managed memory (the device's next
         # read moves the pages back). Elsewhere (Metal, not run here) MLX copies a read into its slot.
@@ -285,9 +288,7 @@ class ExpertCache:
                 self.save_profile()
         table = np.zeros(self.n_expert, np.int32)
         table[wanted] = [slot_of[e] for e in wanted.tolist()]
-        weights = tuple(QuantWeight(pool, t.qtype, (self.slots, *t.shape[1:]))
-                        for pool, t in zip(self.pools, self.templates))
-        return weights, mx.array(table[ids])
+        return self.weights, mx.array(table[ids])
 
     def _victims(self, n: int, keep: list[int]) -> np.ndarray:
         """The ``n`` slots of lowest score, none of ``keep``."""
@@ -360,6 +361,8 @@ class ExpertCache:
                 np_dtype, mx_dtype = storage_dtypes(t.qtype)
                 self.pools[i][slot] = mx.array(np.frombuffer(blob, np_dtype).reshape(t.storage_shape)).view(mx_dtype)
         mx.eval(self.pools)
+        for w in self.weights:  # what was made from the slots' old bytes (the CPU's kept float32 values)
+            w.forget_derived()
 
     def _read(self, i: int, t: StreamedTensor, e: int, slot: int) -> bytes | None:
         """Expert ``e`` of ``t`` (pool ``i``): into its slot where the pool is host memory (None), else its bytes."""

@@ -115,6 +115,10 @@ class QuantWeight:
             self._cache[key] = got
         return got
 
+    def forget_derived(self) -> None:
+        """Drop every form made from ``data`` (:meth:`derived`, the kept float32 values): ``data`` changed."""
+        self._cache.clear()
+
     # --- properties -------------------------------------------------------------------------------------
 
     @property
