@@ -51,12 +51,19 @@ def make_tiny(
     shape: str = typer.Option(
         "tiny", help="tiny (width 256, MB) or full (V4 Flash's real width, ~2 GB a layer with q2 experts, written "
                      "tensor by tensor: the real-size loading path without the 81 GB download)."),
+    router_skew: float = typer.Option(
+        0.0, "--router-skew", metavar="S",
+        help="Skewed routing: each layer picks its expert of popularity rank r about as often as (r+1)^-S (a Zipf "
+             "law; 1.0 is strongly skewed), through the routers' bias and the hash layers' tables, for expert "
+             "streaming benchmarks. 0 (default): unbiased random routing."),
 ) -> None:
     """Write a random-weight DS4 GGUF in the exact published layout (for tests, demos and load tests)."""
     from .testing import make_full_width_gguf, make_tiny_gguf
 
     if experts not in ("q2", "q4", "f16"):
         fail(f"--experts must be q2, q4 or f16, got {experts!r}")
+    if not 0 <= router_skew <= 4:
+        fail(f"--router-skew must be 0..4 (a Zipf exponent; 0 is unbiased), got {router_skew}")
     if shape not in ("tiny", "full"):
         fail(f"--shape must be tiny or full, got {shape!r}")
     if shape == "full":
@@ -74,12 +81,14 @@ def make_tiny(
     try:
         if shape == "full":
             path = _write_with_bar(lambda bar: make_full_width_gguf(out, layers=layers, seed=seed, experts=experts,
-                                                                    progress=bar))  # fmt: skip
+                                                                    router_skew=router_skew, progress=bar))  # fmt: skip
         else:
-            path = make_tiny_gguf(out, seed=seed, experts=experts, hca_ratio=hca_ratio, layers=layers)
+            path = make_tiny_gguf(out, seed=seed, experts=experts, hca_ratio=hca_ratio, layers=layers,
+                                  router_skew=router_skew)  # fmt: skip
     except OSError as e:
         fail(f"{out}: cannot write ({e.strerror or e})")
     what = f"{layers} full-width layers" if shape == "full" else f"HCA ratio {hca_ratio}"
+    what += f", router skew {router_skew:g}" if router_skew else ""
     console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {experts} experts, {what})")
 
 

@@ -76,19 +76,21 @@ def make_tiny_gguf(
     experts: str = "q2",
     hca_ratio: int = 16,
     layers: int = 6,
+    router_skew: float = 0.0,
     **overrides,
 ) -> Path:
     """Write a tiny random-weight DS4 GGUF to ``path`` and return the path.
 
     ``experts`` picks the routed-expert layout: ``q2`` (IQ2_XXS gate/up, Q2_K down, like the published
-    2-bit file), ``q4`` (Q4_K) or ``f16``. ``overrides`` replace :func:`tiny_config` fields.
+    2-bit file), ``q4`` (Q4_K) or ``f16``. ``router_skew``: see :func:`lazy_random_tensors`. ``overrides``
+    replace :func:`tiny_config` fields.
     """
     if experts not in EXPERT_VARIANTS:
         raise ValueError(f"experts must be one of {sorted(EXPERT_VARIANTS)}, got {experts!r}")
     cfg = tiny_config(hca_ratio=hca_ratio, layers=layers, **overrides)
     rng = np.random.default_rng(seed)
-    tensors = random_tensors(cfg, rng, experts)
-    name = f"ds4-mlx tiny (seed {seed}, {experts} experts, HCA ratio {hca_ratio})"
+    tensors = {n: (t.make(), t.qtype) for n, t in lazy_random_tensors(cfg, rng, experts, router_skew=router_skew)}
+    name = f"ds4-mlx tiny (seed {seed}, {experts} experts{_skew_label(router_skew)}, HCA ratio {hca_ratio})"
     return write_gguf(path, cfg, tensors, tiny_tokenizer(cfg.n_vocab), name=name)
 
 
@@ -98,12 +100,14 @@ def make_full_width_gguf(
     layers: int,
     seed: int = 0,
     experts: str = "q2",
+    router_skew: float = 0.0,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write a random-weight GGUF of the real V4 Flash width with ``layers`` layers (the real file's layout, its
     first ``layers`` layers), tensor by tensor: memory stays at one tensor (the largest, the F16 embedding, is
     1 GB), whatever the file's size (~2 GB a layer with q2 experts). ``progress(bytes written, total)`` after
     each tensor. Drawn the fast way (:func:`lazy_random_tensors` ``fast``): ~2 GB a layer to make and write.
+    ``router_skew``: see :func:`lazy_random_tensors`.
     """
     if not 1 <= layers <= 43:
         raise ValueError(f"layers must be 1..43, got {layers}")
@@ -111,8 +115,8 @@ def make_full_width_gguf(
 
     cfg = shape_config("full", layers)
     rng = np.random.default_rng(seed)
-    tensors = dict(lazy_random_tensors(cfg, rng, experts, fast=True))
-    name = f"ds4-mlx full width, {layers} layers (seed {seed}, {experts} experts)"
+    tensors = dict(lazy_random_tensors(cfg, rng, experts, fast=True, router_skew=router_skew))
+    name = f"ds4-mlx full width, {layers} layers (seed {seed}, {experts} experts{_skew_label(router_skew)})"
     return write_gguf(path, cfg, tensors, padded_tokenizer(cfg.n_vocab), name=name, progress=progress)
 
 
@@ -236,23 +240,37 @@ def random_tensors(cfg: ModelConfig, rng: np.random.Generator, experts: str = "q
 
 
 def lazy_random_tensors(cfg: ModelConfig, rng: np.random.Generator, experts: str = "q2", *,
-                        fast: bool = False) -> Iterator[tuple[str, LazyTensor]]:  # fmt: skip
+                        fast: bool = False, router_skew: float = 0.0) -> Iterator[tuple[str, LazyTensor]]:  # fmt: skip
     """:func:`random_tensors` one :class:`LazyTensor` at a time; made in this order from the one ``rng``, they give
     the same values. ``fast`` (for full-width files): f32 Gaussian draws, block bytes from ``rng.bytes`` and Q8_0
-    as random valid blocks instead of quantized draws: the same scales, other values, ~10x faster."""
+    as random valid blocks instead of quantized draws: the same scales, other values, ~10x faster.
+
+    ``router_skew`` s > 0: the experts of a layer are popular in a random order, the expert of rank r chosen about
+    as often as ``(r + 1) ** -s`` (a Zipf law), as traffic that repeats experts would choose them: the routers'
+    bias is :func:`skewed_router_bias`, and the hash layers' tables draw each token's experts by popularity.
+    Uniform token ids then meet skewed routing (the expert cache's benchmarks). 0: unbiased, as the real
+    model's load-balanced routers are over a broad corpus."""
     for name, spec in expected_tensors(cfg).items():
         shape, qtype = spec.shape, spec.types[0]
         if spec.component == "experts":
             qtype = expert_type(name, experts)
-        yield name, _random_tensor(name, shape, qtype, cfg, rng, fast)
+        yield name, _random_tensor(name, shape, qtype, cfg, rng, fast, router_skew)
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], qtype: T, cfg: ModelConfig, rng: np.random.Generator,
-                   fast: bool) -> LazyTensor:  # fmt: skip
-    if qtype == T.I32:  # tid2eid: distinct experts per token row
+                   fast: bool, skew: float = 0.0) -> LazyTensor:  # fmt: skip
+    if qtype == T.I32:  # tid2eid: distinct experts per token row, the k of lowest keys
+        if skew <= 0:
+            keys = lambda: rng.random((shape[0], cfg.n_expert))  # noqa: E731
+        else:  # drawn by popularity without repeats: Gumbel noise over the log shares
+            keys = lambda: np.log(-np.log(rng.random((shape[0], cfg.n_expert)))) - _log_shares(name, cfg, skew)  # noqa: E731
         return LazyTensor(shape, np.dtype(np.int32), qtype,
-                          lambda: np.argsort(rng.random((shape[0], cfg.n_expert)), axis=1)[:, : shape[1]]
-                          .astype(np.int32))  # fmt: skip
+                          lambda: np.argsort(keys(), axis=1)[:, : shape[1]].astype(np.int32))  # fmt: skip
+    if skew > 0 and short_name(name) == "exp_probs_b":
+        unskewed = _random_tensor(name, shape, qtype, cfg, rng, fast)  # drawn all the same: later tensors keep theirs
+        rank = np.argsort(np.argsort(-_log_shares(name, cfg, skew), kind="stable"))
+        bias = skewed_router_bias(cfg.n_expert, cfg.n_expert_used, skew)[rank].astype(unskewed.dtype)
+        return LazyTensor(shape, unskewed.dtype, qtype, lambda: (unskewed.make(), bias)[1])
     dist, a, b = weight_init(name, shape)
     if qtype in (T.F32, T.F16):
         dtype = np.dtype(np.float16 if qtype == T.F16 else np.float32)
@@ -269,6 +287,52 @@ def _random_tensor(name: str, shape: tuple[int, ...], qtype: T, cfg: ModelConfig
         return LazyTensor(stored, np.dtype(np.uint8), qtype,
                           lambda: gquants.quantize(rng.normal(a, b, shape).astype(np.float32), T.Q8_0))
     return LazyTensor(stored, np.dtype(np.uint8), qtype, lambda: random_weight_blocks(rng, qtype, shape, b, fast))
+
+
+def _skew_label(skew: float) -> str:
+    return f", router skew {skew:g}" if skew > 0 else ""
+
+
+def _log_shares(name: str, cfg: ModelConfig, skew: float) -> np.ndarray:
+    """log of each expert's share of a skewed layer's picks (up to a constant): ``-skew * log(1 + rank)``, the
+    ranks in a random order of the layer's own."""
+    out = np.empty(cfg.n_expert)
+    order = np.random.default_rng([POPULARITY_SEED, int(name.split(".")[1])]).permutation(cfg.n_expert)
+    out[order] = -skew * np.log1p(np.arange(cfg.n_expert))
+    return out
+
+
+#: Seeds each layer's popularity order of a skewed model (with the layer index), apart from the weights' seed.
+POPULARITY_SEED = 0x5EED
+
+
+@lru_cache(maxsize=None)
+def skewed_router_bias(n_expert: int, k: int, skew: float, samples: int = 4096, rounds: int = 80) -> np.ndarray:
+    """A router bias ``[n_expert]`` in rank order under which the top-``k`` of ``sqrt(softplus(z)) + bias``, z of
+    unit variance (the logits of a random router on a normed input), picks the expert of rank r about as often as
+    ``(r + 1) ** -skew`` (no expert more than once a token): fitted on ``samples`` draws of z, each round moving
+    every expert's bias by the log of how far its count is from its share."""
+    want = k * _capped_shares((np.arange(n_expert) + 1.0) ** -skew, k)
+    z = np.random.default_rng(POPULARITY_SEED).standard_normal((samples, n_expert))
+    score = np.sqrt(np.logaddexp(0.0, z))  # the router's sqrt(softplus(logits))
+    bias = np.zeros(n_expert)
+    for _ in range(rounds):
+        picked = np.argpartition(-(score + bias), k, axis=1)[:, :k]
+        got = np.bincount(picked.ravel(), minlength=n_expert) / samples
+        bias += 0.05 * (np.log(want) - np.log(got + 0.5 / samples))  # 0.05: about the scores' spread at the top
+    return bias.astype(np.float32)
+
+
+def _capped_shares(weights: np.ndarray, k: int) -> np.ndarray:
+    """``weights`` as shares of ``k`` picks a token, none above one pick (the excess spread over the others)."""
+    share = weights / weights.sum()
+    for _ in range(len(share)):
+        over = share * k > 1
+        if not over.any():
+            break
+        share[~over] += (share[over].sum() - over.sum() / k) * share[~over] / share[~over].sum()
+        share[over] = 1 / k
+    return share
 
 
 # Where each block type keeps its f16 super-scales: (byte offset of d, byte offset of dmin or None, dmin/d).

@@ -38,6 +38,10 @@ def test_make_tiny_rejects_bad_options(tmp_path):
     assert not (tmp_path / "x.gguf").exists()
     r = runner.invoke(app, ["make-tiny", str(tmp_path / "x.gguf"), "--hca-ratio", "4"])
     assert r.exit_code == 2 and "--hca-ratio" in r.stderr
+    for skew in ("-1", "nan"):
+        r = runner.invoke(app, ["make-tiny", str(tmp_path / "x.gguf"), "--router-skew", skew])
+        assert r.exit_code == 2 and "--router-skew must be 0..4" in r.stderr
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_help_explains_commands():
