@@ -214,6 +214,14 @@ def bench(
         csv_out.write_text(",".join(B.CSV_COLUMNS) + "\n", encoding="utf-8")
         csv_out.with_suffix(".system.txt").write_text(sline + "\n" + json.dumps(params) + "\n", encoding="utf-8")
 
+    cache = m.expert_cache
+    before_gen: dict = {}  # the streamed experts' counters when a row's generation starts
+    gen_experts: list[dict] = []  # per row: what its generation asked of the cache
+
+    def on_frontier(_f: int, _session) -> None:
+        if cache is not None:
+            before_gen.update(cache.stats())
+
     def on_row(r: B.BenchRow) -> None:
         if csv_out is not None:
             with csv_out.open("a", encoding="utf-8") as f:
@@ -222,17 +230,25 @@ def bench(
         err.print(f"{r.ctx_tokens:>8} {r.prefill_tokens:>8} {r.prefill_tps:>12.2f} {r.gen_tokens:>5} "
                   f"{r.gen_tps:>9.2f} {_fmt_bytes(r.kvcache_bytes):>11} {_fmt_bytes(r.peak_memory_bytes):>11} "
                   f"{proc:>12}")
+        if cache is not None and r.gen_tokens:
+            now = cache.stats()
+            d = {k: now[k] - before_gen[k] for k in ("hits", "misses", "bytes_read", "read_s")}
+            d["hit_rate"] = round(d["hits"] / max(d["hits"] + d["misses"], 1), 4)
+            gen_experts.append({"ctx": r.ctx_tokens, **d})
+            err.print(f"{'':>8} decoding: expert hit rate {d['hit_rate']}, {d['bytes_read'] / r.gen_tokens / 1e6:.1f} "
+                      f"MB read a token in {d['read_s'] / r.gen_tokens * 1e3:.1f} ms")  # fmt: skip
 
     try:
         with err.status("warming up (JIT) ..." if not no_warmup else "running ..."), lead(m):
             result = B.run_bench(m, ids, points, gen_tokens, eos_id=eos, chunk=chunk, warmup=not no_warmup,
-                                 system=system, on_row=on_row)
+                                 system=system, on_row=on_row, on_frontier=on_frontier)
     except B.BenchError as e:
         fail(str(e))
     result.params, result.load_s = params, load_s
-    if m.expert_cache is not None:
-        result.params["experts"] = m.expert_cache.stats()
-        err.print(m.expert_cache.describe())
+    if cache is not None:
+        result.params["experts"] = cache.stats()
+        result.params["experts_decoding"] = gen_experts
+        err.print(cache.describe())
 
     summary = Table(title="ds4-mlx bench", title_justify="left", caption=sline, caption_justify="left")
     for col in ("ctx", "prefill", "prefill t/s", "gen", "gen t/s", "kv bytes", "peak mem"):

@@ -5,6 +5,7 @@ add up, and bad sizes or a file cut short end in clear errors."""
 from __future__ import annotations
 
 import importlib
+import json
 import shutil
 import subprocess
 import sys
@@ -250,6 +251,21 @@ def test_the_command_line_refuses_bad_streaming_flags(gguf, tmp_path):
         r = _cli("generate", "-m", str(gguf), "-p", "hi", "-n", "3", "--ssd-streaming-profile", str(profile))
         assert r.returncode == 0 and profile.exists()
     assert "48 of 96 (" in r.stderr and "48 read at start" in r.stderr
+
+
+def test_bench_reports_each_rows_decoding_reads(gguf, tmp_path):
+    out = tmp_path / "b.json"
+    r = _cli("bench", "-m", str(gguf), "--ctx-start", "32", "--ctx-max", "64", "--step-incr", "32", "-n", "5",
+             "--ssd-streaming-cache-experts", "12", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0 and r.stderr.count("decoding: expert hit rate") == 2
+    params = json.loads(out.read_text())["params"]
+    rows, unit = params["experts_decoding"], params["experts"]["expert_bytes"]
+    assert [row["ctx"] for row in rows] == [32, 64]
+    for row in rows:  # 5 tokens, 6 layers, at most 6 distinct experts a layer
+        assert 0 < row["hits"] + row["misses"] <= 5 * 6 * 6 and row["bytes_read"] == row["misses"] * unit
+        assert row["hit_rate"] == round(row["hits"] / (row["hits"] + row["misses"]), 4)
+    total = params["experts"]
+    assert sum(row["misses"] for row in rows) < total["misses"]  # the prefills' misses are not a row's
 
 
 def test_serve_reports_the_streamed_experts(gguf):
