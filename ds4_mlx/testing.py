@@ -89,7 +89,7 @@ def make_tiny_gguf(
         raise ValueError(f"experts must be one of {sorted(EXPERT_VARIANTS)}, got {experts!r}")
     cfg = tiny_config(hca_ratio=hca_ratio, layers=layers, **overrides)
     rng = np.random.default_rng(seed)
-    tensors = {n: (t.make(), t.qtype) for n, t in lazy_random_tensors(cfg, rng, experts, router_skew=router_skew)}
+    tensors = random_tensors(cfg, rng, experts, router_skew=router_skew)
     name = f"ds4-mlx tiny (seed {seed}, {experts} experts{_skew_label(router_skew)}, HCA ratio {hca_ratio})"
     return write_gguf(path, cfg, tensors, tiny_tokenizer(cfg.n_vocab), name=name)
 
@@ -234,9 +234,11 @@ def expert_type(name: str, experts: str) -> T:
     return {"ffn_gate_exps": gate_t, "ffn_up_exps": up_t, "ffn_down_exps": down_t}[short_name(name)]
 
 
-def random_tensors(cfg: ModelConfig, rng: np.random.Generator, experts: str = "q2") -> Tensors:
-    """Random weights for every tensor of the layout, scaled as the module docstring describes."""
-    return {name: (t.make(), t.qtype) for name, t in lazy_random_tensors(cfg, rng, experts)}
+def random_tensors(cfg: ModelConfig, rng: np.random.Generator, experts: str = "q2", *,
+                   router_skew: float = 0.0) -> Tensors:  # fmt: skip
+    """Random weights for every tensor of the layout, scaled as the module docstring describes (``router_skew``:
+    see :func:`lazy_random_tensors`)."""
+    return {name: (t.make(), t.qtype) for name, t in lazy_random_tensors(cfg, rng, experts, router_skew=router_skew)}
 
 
 def lazy_random_tensors(cfg: ModelConfig, rng: np.random.Generator, experts: str = "q2", *,
@@ -260,17 +262,19 @@ def lazy_random_tensors(cfg: ModelConfig, rng: np.random.Generator, experts: str
 def _random_tensor(name: str, shape: tuple[int, ...], qtype: T, cfg: ModelConfig, rng: np.random.Generator,
                    fast: bool, skew: float = 0.0) -> LazyTensor:  # fmt: skip
     if qtype == T.I32:  # tid2eid: distinct experts per token row, the k of lowest keys
-        if skew <= 0:
-            keys = lambda: rng.random((shape[0], cfg.n_expert))  # noqa: E731
-        else:  # drawn by popularity without repeats: Gumbel noise over the log shares
-            keys = lambda: np.log(-np.log(rng.random((shape[0], cfg.n_expert)))) - _log_shares(name, cfg, skew)  # noqa: E731
+        def keys() -> np.ndarray:
+            u = rng.random((shape[0], cfg.n_expert))
+            if skew <= 0:
+                return u
+            # drawn by popularity without repeats: Gumbel noise over the log shares
+            return np.log(-np.log(u)) + skew * np.log1p(_popularity_rank(name, cfg))
+
         return LazyTensor(shape, np.dtype(np.int32), qtype,
                           lambda: np.argsort(keys(), axis=1)[:, : shape[1]].astype(np.int32))  # fmt: skip
     if skew > 0 and short_name(name) == "exp_probs_b":
         unskewed = _random_tensor(name, shape, qtype, cfg, rng, fast)  # drawn all the same: later tensors keep theirs
-        rank = np.argsort(np.argsort(-_log_shares(name, cfg, skew), kind="stable"))
-        bias = skewed_router_bias(cfg.n_expert, cfg.n_expert_used, skew)[rank].astype(unskewed.dtype)
-        return LazyTensor(shape, unskewed.dtype, qtype, lambda: (unskewed.make(), bias)[1])
+        bias = skewed_router_bias(cfg.n_expert, cfg.n_expert_used, skew)[_popularity_rank(name, cfg)]
+        return LazyTensor(shape, unskewed.dtype, qtype, lambda: (unskewed.make(), bias.astype(unskewed.dtype))[1])
     dist, a, b = weight_init(name, shape)
     if qtype in (T.F32, T.F16):
         dtype = np.dtype(np.float16 if qtype == T.F16 else np.float32)
@@ -293,13 +297,10 @@ def _skew_label(skew: float) -> str:
     return f", router skew {skew:g}" if skew > 0 else ""
 
 
-def _log_shares(name: str, cfg: ModelConfig, skew: float) -> np.ndarray:
-    """log of each expert's share of a skewed layer's picks (up to a constant): ``-skew * log(1 + rank)``, the
-    ranks in a random order of the layer's own."""
-    out = np.empty(cfg.n_expert)
+def _popularity_rank(name: str, cfg: ModelConfig) -> np.ndarray:
+    """Each expert's rank in the popularity order of the layer of tensor ``name`` (a random order of its own)."""
     order = np.random.default_rng([POPULARITY_SEED, int(name.split(".")[1])]).permutation(cfg.n_expert)
-    out[order] = -skew * np.log1p(np.arange(cfg.n_expert))
-    return out
+    return np.argsort(order)  # order[r] is the expert of rank r
 
 
 #: Seeds each layer's popularity order of a skewed model (with the layer index), apart from the weights' seed.
