@@ -174,7 +174,6 @@ class ExpertCache:
         self.n_units = len(experts) * self.n_expert
         self.slots = min(int(cap_bytes) // self.unit_bytes, self.n_units)
         check_cache_size(self.slots, max(min_slots, 1), self.unit_bytes)
-        self.templates = first
         self.pools = [mx.zeros((self.slots, *t.storage_shape), dtype=storage_dtypes(t.qtype)[1]) for t in first]
         mx.eval(self.pools)
         # the pools as ``[slots, out, in]`` weights, made once: a decode step fetches 43 times

@@ -65,7 +65,8 @@ def test_streamed_logits_equal_the_resident_models(gguf, resident_logits, size, 
     assert cache.slots == {"6": 6, "12": 12, "100%": 96}[size] and st["resident"] <= cache.slots
     assert st["bytes_read"] == st["misses"] * cache.unit_bytes  # each miss read once, a whole expert
     assert st["misses"] >= min(st["resident"], cache.slots) and st["hits"] + st["misses"] > 0
-    assert all(p.nbytes == cache.slots * t.expert_bytes for p, t in zip(cache.pools, cache.templates))
+    trio = next(iter(cache.experts.values()))  # every layer's experts have the same types and shapes
+    assert all(p.nbytes == cache.slots * t.expert_bytes for p, t in zip(cache.pools, trio))
     assert cache.nbytes == sum(p.nbytes for p in cache.pools) <= parse_cache_size(size, cache.unit_bytes, 96)
 
 
